@@ -1,0 +1,28 @@
+# Quick start: `make demo` (the bug and the fix, for real) and `make test`.
+# Everything is built into ignored folders: .cache/ (test environments), .venv/ (demo), dist/.
+PYTHON ?= python3
+TOOLS := .cache/tools/bin/python
+
+.PHONY: demo test test-env wheel lint bench clean
+
+demo:
+	$(PYTHON) tools/demo.py
+
+test-env:
+	$(PYTHON) tools/envs.py tools e2e mcore pythons
+
+test: test-env
+	$(TOOLS) -m ruff check .
+	$(TOOLS) -m pytest -n 2 --timeout 900 -p no:cacheprovider
+
+wheel:
+	$(PYTHON) tools/envs.py wheel
+
+lint: test-env
+	$(TOOLS) -m ruff check .
+
+bench: test-env
+	$(PYTHON) bench/run_all.py
+
+clean:
+	rm -rf .cache .venv build dist *.egg-info

@@ -1,0 +1,217 @@
+"""Build the cached environments that `make demo`, `make test` and `make bench` use.
+
+Standard library only; run with any Python 3.8+:
+
+    python3 tools/envs.py tools e2e mcore pythons   # what `make test` needs
+    python3 tools/envs.py demo                      # .venv for `make demo`
+    python3 tools/envs.py wheel                     # dist/*.whl, built from this checkout
+
+Everything lands in ignored folders (.cache/, .venv/, dist/). Each environment gets a
+stamp file naming what was installed; a second run with the same spec does nothing, so a
+repeated `make test` starts in seconds. torch is always 2.13.0 (the CPU wheel that lies on
+these machines); megatron-core is installed with --no-deps, beside numpy, psutil and
+packaging, which is all its checkpointing code needs.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import venv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache")
+TOOLS = os.path.join(CACHE, "tools")
+E2E = os.path.join(CACHE, "e2e-venv")
+MCORE = os.path.join(CACHE, "mcore")
+PYTHONS = os.path.join(CACHE, "pythons")
+DEMO = os.path.join(ROOT, ".venv")
+DIST = os.path.join(ROOT, "dist")
+
+TORCH = "torch==2.13.0"
+MEGATRON_DEPS = ["numpy", "psutil", "packaging"]
+TOOL_REQUIREMENTS = [
+    "pytest==9.2.0",
+    "pytest-xdist==3.8.0",
+    "pytest-timeout==2.4.0",
+    "ruff==0.17.6",
+    "build==1.6.1",
+    "setuptools==84.2.1",
+    "wheel==0.48.0",
+    "packaging",
+]
+# Every megatron-core release the tests use: the affected range, the fixed releases, and
+# newer ones that are only imported (their save path needs CUDA).
+MEGATRON_VERSIONS = [
+    "0.9.0",
+    "0.10.0",
+    "0.11.0",
+    "0.12.0",
+    "0.12.1",
+    "0.12.2",
+    "0.12.3",
+    "0.13.0",
+    "0.13.1",
+    "0.14.0",
+    "0.15.3",
+    "0.16.1",
+]
+# Other CPython minors (installed through pyenv here, without torch) for the startup tests.
+OTHER_PYTHONS = ["3.8", "3.9", "3.10", "3.12", "3.13"]
+
+
+def log(message: str) -> None:
+    print("[envs] %s" % message, flush=True)
+
+
+def run(*cmd: str, **kwargs: object) -> None:
+    subprocess.run(list(cmd), check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def venv_python(folder: str) -> str:
+    return os.path.join(folder, "bin", "python")
+
+
+def _ready(folder: str, spec: str) -> bool:
+    try:
+        with open(os.path.join(folder, ".envs-stamp")) as f:
+            return f.read() == spec
+    except OSError:
+        return False
+
+
+def _stamp(folder: str, spec: str) -> None:
+    with open(os.path.join(folder, ".envs-stamp"), "w") as f:
+        f.write(spec)
+
+
+def make_venv(folder: str, packages: "list[str]", python: "str | None" = None, label: str = "") -> str:
+    """A venv at ``folder`` with ``packages``; reused while its stamp matches."""
+    spec = "%s|%s" % (python or "default", " ".join(packages))
+    if _ready(folder, spec):
+        return venv_python(folder)
+    log("creating %s %s" % (os.path.relpath(folder, ROOT), label))
+    shutil.rmtree(folder, ignore_errors=True)
+    if python is None:
+        venv.EnvBuilder(with_pip=True).create(folder)
+    else:
+        run(python, "-m", "venv", folder)
+    py = venv_python(folder)
+    if packages:
+        run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages)
+    _stamp(folder, spec)
+    return py
+
+
+def tools() -> str:
+    return make_venv(TOOLS, TOOL_REQUIREMENTS, label="(pytest, ruff, build)")
+
+
+def e2e() -> str:
+    return make_venv(E2E, [TORCH, *MEGATRON_DEPS], label="(torch 2.13.0, numpy, psutil, packaging)")
+
+
+def mcore_folder(version: str) -> str:
+    return os.path.join(MCORE, version)
+
+
+def mcore(versions: "list[str]" = MEGATRON_VERSIONS) -> None:
+    py = e2e()
+    for version in versions:
+        folder = mcore_folder(version)
+        spec = "megatron-core==%s" % version
+        if _ready(folder, spec):
+            continue
+        log("installing megatron-core %s into %s" % (version, os.path.relpath(folder, ROOT)))
+        shutil.rmtree(folder, ignore_errors=True)
+        run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--target", folder, spec)
+        _stamp(folder, spec)
+
+
+def find_python(minor: str) -> "str | None":
+    """The pyenv CPython for ``minor`` ("3.8"), or one on PATH."""
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for candidate in sorted(
+        glob.glob(os.path.join(root, "versions", minor + ".*", "bin", "python" + minor)), reverse=True
+    ):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("python" + minor)
+    return found
+
+
+def python_venv_folder(minor: str) -> str:
+    return os.path.join(PYTHONS, minor)
+
+
+def pythons() -> None:
+    """One small venv per other CPython minor, with packaging (our runtime dependency)."""
+    for minor in OTHER_PYTHONS:
+        python = find_python(minor)
+        if python is None:
+            log("CPython %s not found; its startup tests will be skipped" % minor)
+            continue
+        packages = ["packaging"] + (["importlib-metadata"] if minor in ("3.8", "3.9") else [])
+        make_venv(python_venv_folder(minor), packages, python=python, label="(CPython %s)" % minor)
+
+
+def wheel(out: str = DIST) -> str:
+    """Build the wheel from this checkout into ``out``; return its path."""
+    py = venv_python(TOOLS) if os.path.exists(venv_python(TOOLS)) else tools()
+    shutil.rmtree(os.path.join(ROOT, "build"), ignore_errors=True)  # stale build/lib files would ship
+    os.makedirs(out, exist_ok=True)
+    for old in glob.glob(os.path.join(out, "mcore_autopatch-*.whl")):
+        os.remove(old)
+    proc = subprocess.run(
+        [py, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, ROOT], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit("building the wheel failed")
+    (built,) = glob.glob(os.path.join(out, "mcore_autopatch-*.whl"))
+    return built
+
+
+def demo() -> str:
+    return make_venv(
+        DEMO,
+        [TORCH, *MEGATRON_DEPS],
+        label="(torch 2.13.0; megatron-core 0.12.1 next)",
+    )
+
+
+def demo_megatron() -> None:
+    py = demo()
+    spec = "megatron-core==0.12.1"
+    marker = os.path.join(DEMO, ".envs-megatron")
+    if os.path.exists(marker):
+        return
+    log("installing megatron-core 0.12.1 (--no-deps) into .venv")
+    run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", spec)
+    open(marker, "w").close()
+
+
+TARGETS = {
+    "tools": tools,
+    "e2e": e2e,
+    "mcore": mcore,
+    "pythons": pythons,
+    "wheel": lambda: print(wheel()),
+    "demo": demo_megatron,
+}
+
+
+def main(argv: "list[str]") -> int:
+    names = argv or ["tools", "e2e", "mcore", "pythons"]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        print("unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join(TARGETS)), file=sys.stderr)
+        return 2
+    for name in names:
+        TARGETS[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
