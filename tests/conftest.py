@@ -9,6 +9,7 @@ subprocesses never import mcore_autopatch themselves; only the installed ``.pth`
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -21,6 +22,7 @@ import envs  # noqa: E402
 
 JOB = os.path.join(ROOT, "examples", "checkpoint_job.py")
 WHEEL_ENV = "MCORE_AUTOPATCH_TEST_WHEEL"
+VENV_ENV = "MCORE_AUTOPATCH_TEST_VENV"
 AFFECTED = ["0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.12.1", "0.12.2", "0.12.3"]
 FIXED_SAVING = ["0.13.0", "0.13.1"]
 FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
@@ -32,17 +34,31 @@ def _is_worker(config: Any) -> bool:
 
 
 def pytest_configure(config: Any) -> None:
+    """Build the wheel and install it into this run's own clone of the e2e venv."""
     if _is_worker(config) or os.environ.get(WHEEL_ENV):
         return
     if not os.path.exists(envs.venv_python(envs.TOOLS)) or not os.path.exists(envs.venv_python(envs.E2E)):
         return  # environments missing: e2e tests skip with a hint
-    wheel = envs.wheel(os.path.join(envs.CACHE, "wheel"))
-    py = envs.venv_python(envs.E2E)
-    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "mcore-autopatch"], check=False, capture_output=True)
-    subprocess.run(
-        [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel], check=True, capture_output=True
-    )
+    run_dir = os.path.join(envs.CACHE, "runs", str(os.getpid()))
+    wheel = envs.wheel(run_dir)
+    py = install_wheel(envs.clone_venv(envs.E2E, os.path.join(run_dir, "venv")), wheel)
     os.environ[WHEEL_ENV] = wheel  # inherited by xdist workers
+    os.environ[VENV_ENV] = py
+    config._mcore_autopatch_run_dir = run_dir
+
+
+def pytest_unconfigure(config: Any) -> None:
+    run_dir = getattr(config, "_mcore_autopatch_run_dir", None)
+    if run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def install_wheel(python: str, wheel: str) -> str:
+    """``pip install`` the wheel into the venv of ``python``, as a user would."""
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel], check=True, capture_output=True
+    )
+    return python
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +71,14 @@ def wheel_path() -> str:
 
 @pytest.fixture(scope="session")
 def e2e_python(wheel_path: str) -> str:
-    """The venv python with torch 2.13.0 and our wheel installed."""
-    return envs.venv_python(envs.E2E)
+    """This run's venv python: torch 2.13.0 and the wheel installed by pip."""
+    return os.environ[VENV_ENV]
+
+
+@pytest.fixture
+def private_venv(wheel_path: str, tmp_path: Any) -> str:
+    """A venv of its own (torch and the wheel installed) for tests that change the venv."""
+    return install_wheel(envs.clone_venv(envs.E2E, str(tmp_path / "venv")), wheel_path)
 
 
 @pytest.fixture(scope="session")

@@ -156,21 +156,60 @@ def pythons() -> None:
         make_venv(python_venv_folder(minor), packages, python=python, label="(CPython %s)" % minor)
 
 
+# What the wheel is built from: copied to a temporary folder first, so that concurrent
+# builds never share a build/ folder and no stale build/lib file can ship.
+SOURCES = [
+    "mcore_autopatch",
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "README.md",
+    "mcore_autopatch.pth",
+    "mcore_autopatch.start",
+]
+
+
 def wheel(out: str = DIST) -> str:
     """Build the wheel from this checkout into ``out``; return its path."""
+    import tempfile
+
     py = venv_python(TOOLS) if os.path.exists(venv_python(TOOLS)) else tools()
-    shutil.rmtree(os.path.join(ROOT, "build"), ignore_errors=True)  # stale build/lib files would ship
     os.makedirs(out, exist_ok=True)
-    for old in glob.glob(os.path.join(out, "mcore_autopatch-*.whl")):
-        os.remove(old)
-    proc = subprocess.run(
-        [py, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, ROOT], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout + proc.stderr)
-        raise SystemExit("building the wheel failed")
-    (built,) = glob.glob(os.path.join(out, "mcore_autopatch-*.whl"))
-    return built
+    with tempfile.TemporaryDirectory(prefix="mcore-autopatch-build-") as tmp:
+        src = os.path.join(tmp, "src")
+        os.makedirs(src)
+        for name in SOURCES:
+            path = os.path.join(ROOT, name)
+            if os.path.isdir(path):
+                shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(path, src)
+        built_dir = os.path.join(tmp, "dist")
+        proc = subprocess.run(
+            [py, "-m", "build", "--wheel", "--no-isolation", "--outdir", built_dir, src], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout + proc.stderr)
+            raise SystemExit("building the wheel failed")
+        (built,) = glob.glob(os.path.join(built_dir, "mcore_autopatch-*.whl"))
+        target = os.path.join(out, os.path.basename(built))
+        shutil.move(built, target)
+    return target
+
+
+def clone_venv(source: str, target: str) -> str:
+    """A copy of the venv at ``source`` made of hard links (a second or two for torch).
+
+    Nothing installs into or deletes from the source through the clone: pip and Python
+    only add, replace or unlink files, and directories are the clone's own.
+    """
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    run("cp", "-al", source, target)
+    stamp = os.path.join(target, ".envs-stamp")
+    if os.path.exists(stamp):
+        os.remove(stamp)
+    return venv_python(target)
 
 
 def demo() -> str:
