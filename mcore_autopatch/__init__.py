@@ -22,14 +22,15 @@ __all__ = ["__version__", "activate", "install", "read_mode", "status"]
 
 # The module whose ``_write_item`` global is rebound.
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-# Its package imports it; when the package has executed, the writer is looked at again, in
-# case a finder ahead of ours loaded the writer module without asking us.
-PACKAGE_MODULE = "megatron.core.dist_checkpointing"
+# Imports the writer at the top in every release from 0.9 to 0.16, and every torch_dist save
+# goes through it. When it has executed the writer is looked at again, in case a finder
+# ahead of ours loaded the writer module without asking us.
+IMPORTER_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 
 # Callbacks by "module:function" name, resolved only when the watched module executes.
 _WATCHED = {
     WRITER_MODULE: ("mcore_autopatch.writer_fix:on_writer_executed",),
-    PACKAGE_MODULE: ("mcore_autopatch.writer_fix:on_package_executed",),
+    IMPORTER_MODULE: ("mcore_autopatch.writer_fix:on_importer_executed",),
 }
 
 _OFF_WORDS = ("0", "off", "false", "no")

@@ -3,9 +3,12 @@
 * ``status [--json]``: a short report (or the ``status()`` dict as JSON).
 * ``check``: exit 0 when the fix is active or not needed, 1 when it is needed but would
   not be active in this interpreter, 2 when it cannot tell; one line saying which.
-* ``selftest``: a real tiny async save and load; exit 0 only when the round trip is equal.
+* ``selftest [--dir DIR]``: a real tiny async save and load; exit 0 only when the round
+  trip is equal, 1 when it fails, 2 when it cannot run here.
 
-``status`` and ``check`` import megatron-core's writer module to decide.
+``status`` and ``check`` import megatron-core's writer module to decide, the way a
+training job would, so they answer for this interpreter as it was started. Results go to
+stdout; the ``mcore_autopatch`` logger (``MCORE_AUTOPATCH_LOG``) writes only to stderr.
 """
 
 import argparse
@@ -19,32 +22,41 @@ def _yes_no(value: Optional[bool]) -> str:
     return {True: "yes", False: "no", None: "cannot tell"}[value]
 
 
-def format_status(info: Dict[str, Any]) -> str:
-    mode_env = info["mode_env"]
-    mode = (
-        "%s (MCORE_AUTOPATCH=%s)" % (info["mode"], mode_env) if mode_env is not None else "auto (MCORE_AUTOPATCH unset)"
-    )
-    if not info["mode_recognised"]:
-        mode += ", unknown value: behaving as auto"
-    if info["hook_installed"]:
-        hook = "installed (by %s)" % info["activated_by"]
+def _mode(info: Dict[str, Any]) -> str:
+    if info["mode_env"] is None:
+        mode = "auto (MCORE_AUTOPATCH unset)"
     else:
-        hook = "not installed"
-    startup = info["startup_file"] or "not found"
-    if info["startup_file"]:
-        startup += " (processed at startup)" if info["startup_file_processed"] else " (NOT processed at startup)"
+        mode = "%s (MCORE_AUTOPATCH=%s)" % (info["mode"], info["mode_env"])
+    if not info["mode_recognised"]:
+        mode += ", an unknown value: behaving as auto"
+    return mode
+
+
+def _startup_file(info: Dict[str, Any]) -> str:
+    if info["zip_archive"]:
+        return "none: imported from the zip archive %s (never processed)" % info["zip_archive"]
+    if not info["startup_file"]:
+        return "mcore_autopatch.pth not found"
+    state = "processed at startup" if info["startup_file_processed"] else "NOT processed at startup"
+    return "%s (%s)" % (info["startup_file"], state)
+
+
+def format_status(info: Dict[str, Any]) -> str:
+    """The human report of ``status``: one labelled line per fact."""
+    if info["hook_installed"]:
+        hook = "installed by %s" % info["installed_by"]
+    else:
+        hook = "not installed in this interpreter"
+    megatron = "not installed"
+    if info["megatron_core"]:
+        megatron = "%s (version from %s)" % (info["megatron_core"], info["megatron_core_source"])
     rows = [
-        ("mode", mode),
+        ("mode", _mode(info)),
         ("startup hook", hook),
-        ("startup file", startup),
+        ("startup file", _startup_file(info)),
         ("python", "%s (%s)" % (info["python"], info["executable"])),
         ("torch", info["torch"] or "not installed"),
-        (
-            "megatron-core",
-            "%s (from %s)" % (info["megatron_core"], info["megatron_core_source"])
-            if info["megatron_core"]
-            else "not installed",
-        ),
+        ("megatron-core", megatron),
         ("fix needed", "%s: %s" % (_yes_no(info["needed"]), info["reason"])),
         ("fix applied", _yes_no(info["applied"])),
     ]
@@ -59,13 +71,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-autopatch",
         description="Fixes megatron-core's async checkpoint writer on torch 2.7+; reports whether it is active.",
+        epilog="Environment: MCORE_AUTOPATCH=auto|0|force, MCORE_AUTOPATCH_LOG=debug|info|warning|error (stderr).",
     )
     parser.add_argument("--version", action="version", version="mcore-autopatch %s" % mcore_autopatch.__version__)
-    commands = parser.add_subparsers(dest="command")
-    status = commands.add_parser("status", help="report versions, whether the fix is needed and applied")
-    status.add_argument("--json", action="store_true", help="print the status() dict as JSON")
-    commands.add_parser("check", help="exit 0 if active or not needed, 1 if needed but not active, 2 if unknown")
-    commands.add_parser("selftest", help="a real tiny async checkpoint save and load")
+    commands = parser.add_subparsers(dest="command", metavar="{status,check,selftest}")
+    status = commands.add_parser("status", help="versions, whether the fix is needed, installed and applied")
+    status.add_argument("--json", action="store_true", help="print the mcore_autopatch.status() dict as JSON")
+    commands.add_parser("check", help="exit 0: active or not needed; 1: needed but not active; 2: cannot tell")
+    selftest = commands.add_parser("selftest", help="a real tiny async checkpoint save and load (gloo, one rank)")
+    selftest.add_argument("--dir", help="make the temporary checkpoint folder inside DIR (default: the system's)")
     return parser
 
 
@@ -75,10 +89,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "selftest":
         from mcore_autopatch import selftest
 
-        return selftest.run()
+        return selftest.run(folder=args.dir)
     from mcore_autopatch import report
 
-    info = report.status(import_writer=True)
+    with report.quiet_imports():
+        info = report.status(import_writer=True)
     if command == "check":
         code, line = report.check(info)
         print(line)

@@ -93,20 +93,9 @@ def read_signature(write_item: Callable[..., Any]) -> WriteItemSignature:
 
 
 def _plain_signature(sig: inspect.Signature) -> str:
-    """``(transforms, stream, ...)`` without annotations, for messages."""
-    return "(%s)" % ", ".join(
-        ("*, " if p.kind is p.KEYWORD_ONLY and i == _first_kwonly(sig) else "")
-        + p.name
-        + ("" if p.default is p.empty else "=%r" % (p.default,))
-        for i, p in enumerate(sig.parameters.values())
-    )
-
-
-def _first_kwonly(sig: inspect.Signature) -> int:
-    for i, p in enumerate(sig.parameters.values()):
-        if p.kind is p.KEYWORD_ONLY:
-            return i
-    return -1
+    """``(transforms, stream, ...)`` without annotations, for messages (``*args``, ``*, x`` kept)."""
+    params = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=sig.empty))
 
 
 # --- megatron-core version -------------------------------------------------------------

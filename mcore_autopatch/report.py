@@ -5,11 +5,13 @@ megatron-core's writer module the normal way, so an active hook fires exactly as
 in a training job, and the answer reflects this interpreter as it was started.
 """
 
+import contextlib
 import importlib
 import os
 import site
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mcore_autopatch
 from mcore_autopatch import policy
@@ -18,6 +20,15 @@ STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
 
 # check's exit codes
 ACTIVE_OR_NOT_NEEDED, NEEDED_NOT_ACTIVE, CANNOT_TELL = 0, 1, 2
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Hide the deprecation notices megatron-core prints when imported (noise in build logs)."""
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning, UserWarning):
+            warnings.simplefilter("ignore", category)
+        yield
 
 
 def site_dirs() -> List[str]:
@@ -35,22 +46,48 @@ def site_dirs() -> List[str]:
     return dirs
 
 
+def package_root() -> str:
+    """The folder (or zip archive) the ``mcore_autopatch`` package was imported from."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(mcore_autopatch.__file__)))
+
+
+def zip_archive() -> Optional[str]:
+    """The zip archive (a zipapp, a ``.pyz`` or ``.zip`` on ``sys.path``) holding the package, if any."""
+    root = package_root()
+    return root if os.path.isfile(root) else None
+
+
 def startup_file() -> Tuple[Optional[str], bool]:
     """Our ``.pth`` file and whether Python processes its folder at startup.
 
     Looked for in the site folders first (a normal or editable install), then beside the
-    package (``pip install --target``, ``PYTHONPATH``, a zipapp), where it is not processed.
+    package (``pip install --target``, ``PYTHONPATH``), where it is not processed. Inside a
+    zip archive there is nothing to find: Python never reads ``.pth`` files from one.
     """
     processed = not sys.flags.no_site
     for folder in site_dirs():
         path = os.path.join(folder, STARTUP_FILES[0])
         if os.path.isfile(path):
             return path, processed
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(mcore_autopatch.__file__)))
-    path = os.path.join(package_parent, STARTUP_FILES[0])
-    if os.path.exists(path):
+    path = os.path.join(package_root(), STARTUP_FILES[0])
+    if os.path.isfile(path):
         return path, False
     return None, False
+
+
+def installed_by(finder: Any, pth: Optional[str], pth_processed: bool) -> Optional[str]:
+    """What put the finder on ``sys.meta_path``: a startup file's path, or ``install()``."""
+    if finder is None:
+        return None
+    source = getattr(finder, "activated_by", None)
+    if source != "startup":
+        return "mcore_autopatch.%s" % source if source == "install()" else str(source)
+    if pth is None or not pth_processed:
+        return "a startup file"  # e.g. another copy's .pth; ours was not processed
+    start = os.path.join(os.path.dirname(pth), STARTUP_FILES[1])
+    if sys.version_info >= (3, 15) and os.path.isfile(start):
+        return start  # PEP 829: the .start entry point runs instead of the .pth import line
+    return pth
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -90,8 +127,10 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
         "mode_recognised": recognised,
         "hook_installed": finder is not None,
         "activated_by": getattr(finder, "activated_by", None),
+        "installed_by": installed_by(finder, pth, pth_processed),
         "startup_file": pth,
         "startup_file_processed": pth_processed,
+        "zip_archive": zip_archive(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "pid": os.getpid(),
@@ -119,7 +158,12 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
             info["reason"] = "megatron-core's writer module is not imported in this process (yet)"
         elif info["missing"] == "megatron":
             info["needed"] = False
-            info["reason"] = "megatron-core is not installed here: nothing to fix (%s)" % problem
+            info["reason"] = "megatron-core is not installed in this interpreter: nothing to fix"
+        elif info["missing"] == "torch":
+            info["reason"] = (
+                "torch is not importable in this interpreter (%s), so neither its _write_item nor "
+                "megatron-core's writer can be read" % problem
+            )
         else:
             info["reason"] = "cannot import megatron-core's writer module: %s" % problem
         info["advice"] = _advice(info, finder)
@@ -154,12 +198,17 @@ def _advice(info: Dict[str, Any], finder: Any) -> Optional[str]:
     alternative = "import mcore_autopatch; mcore_autopatch.install() before megatron-core saves"
     if sys.flags.no_site:
         return "python -S: no .pth file is processed; call %s" % alternative
+    if info["zip_archive"]:
+        return "imported from the zip archive %s (a zipapp?), whose .pth files Python never processes; call %s" % (
+            info["zip_archive"],
+            alternative,
+        )
     pth = info["startup_file"]
     if pth and not info["startup_file_processed"]:
         folder = os.path.dirname(pth)
         return (
             "installed in %s, a folder Python does not scan for .pth files (pip install --target, "
-            "PYTHONPATH, zipapp): call site.addsitedir(%r), or %s" % (folder, folder, alternative)
+            "PYTHONPATH): call site.addsitedir(%r), or %s" % (folder, folder, alternative)
         )
     if pth is None:
         return "mcore_autopatch.pth is not in any site-packages folder; reinstall the wheel, or call %s" % alternative
@@ -173,6 +222,6 @@ def check(info: Dict[str, Any]) -> Tuple[int, str]:
     if info["needed"] is False:
         return ACTIVE_OR_NOT_NEEDED, "ok: fix not needed (%s)" % info["reason"]
     if info["needed"] is True:
-        why = info["advice"] or info["reason"]
-        return NEEDED_NOT_ACTIVE, "FAIL: fix needed but not active in this interpreter: %s (%s)" % (why, info["reason"])
+        detail = "%s (%s)" % (info["advice"], info["reason"]) if info["advice"] else info["reason"]
+        return NEEDED_NOT_ACTIVE, "FAIL: fix needed but not active in this interpreter: %s" % detail
     return CANNOT_TELL, "UNKNOWN: cannot tell whether the fix is needed: %s" % info["reason"]

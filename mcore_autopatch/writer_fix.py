@@ -184,12 +184,12 @@ def on_writer_executed(writer: ModuleType) -> None:
         logger.warning("checking %s failed; it is left unchanged", getattr(writer, "__name__", writer), exc_info=True)
 
 
-def on_package_executed(package: ModuleType) -> None:
-    """importhook callback: ``megatron.core.dist_checkpointing`` has executed.
+def on_importer_executed(importer: ModuleType) -> None:
+    """importhook callback: ``megatron.core.dist_checkpointing.strategies.torch`` has executed.
 
-    Its import pulls in the writer module; if our finder did not see that import (another
-    finder ahead of ours loaded it), fix it now: the rebinding works at any time before a
-    save, since ``_write_item`` is looked up when the writer runs.
+    It imports the writer module; if our finder did not see that import
+    (another finder ahead of ours loaded it), fix it now: the rebinding works at any time
+    before a save, since ``_write_item`` is looked up when the writer runs.
     """
     writer = sys.modules.get(mcore_autopatch.WRITER_MODULE)
     if writer is None or writer in _seen:
