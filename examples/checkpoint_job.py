@@ -14,9 +14,11 @@ with a file store in the checkpoint folder (no network).
 """
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,7 +32,7 @@ WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", help="checkpoint folder (default: a new temporary one)")
+    p.add_argument("--dir", help="checkpoint folder (default: a temporary one, removed at the end)")
     p.add_argument(
         "--state",
         choices=["basic", "rich", "large"],
@@ -49,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--no-load", action="store_true", help="save only")
     p.add_argument("--fail-fsync", action="store_true", help="make os.fsync fail in the writer (a failing disk)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the result")
+    p.add_argument("--rank-timeout", type=float, default=600, help="with --launch: seconds to wait for the ranks")
     return p.parse_args(argv)
 
 
@@ -60,7 +63,9 @@ def init_distributed(folder):
     else:
         # A file store beside (not inside) the checkpoint folder: megatron-core treats any
         # file it finds in the folder as an old checkpoint.
-        store = tempfile.mktemp(prefix="ckpt-job-store-")
+        store_dir = tempfile.mkdtemp(prefix="ckpt-job-store-")
+        atexit.register(shutil.rmtree, store_dir, True)
+        store = os.path.join(store_dir, "store")
         dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
@@ -204,7 +209,7 @@ def write_item_replaced():
 
 def job(args):
     result = {"pid": os.getpid(), "ok": False, "error": None}
-    folder = args.dir or tempfile.mkdtemp(prefix="ckpt-job-")
+    folder = args.dir
     os.makedirs(folder, exist_ok=True)
     result["dir"] = folder
     warnings.simplefilter("ignore", FutureWarning)  # torch's ShardedTensor deprecation notice
@@ -251,40 +256,67 @@ def free_port():
         return s.getsockname()[1]
 
 
+def without_launch(argv):
+    """``argv`` without its ``--launch N`` / ``--launch=N`` option."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--launch":
+            skip = True
+        elif not arg.startswith("--launch="):
+            out.append(arg)
+    return out
+
+
 def launch(args, argv):
     """Start ``args.launch`` ranks of this script, torchrun-style, and merge their results."""
-    folder = args.dir or tempfile.mkdtemp(prefix="ckpt-job-")
-    child_argv = [a for a in argv if a not in ("--launch", str(args.launch))]
+    child_argv = [a for a in without_launch(argv) if a != "--json"]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.launch))
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *child_argv, "--dir", folder, "--json"],
+            [sys.executable, os.path.abspath(__file__), *child_argv, "--dir", args.dir, "--json"],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
         )
         for r in range(args.launch)
     ]
     ranks = []
-    for p in procs:
-        out, _ = p.communicate()
-        lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
-        ranks.append(json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode})
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=args.rank_timeout)
+            lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
+            ranks.append(json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode})
+    except subprocess.TimeoutExpired:
+        ranks.append({"ok": False, "error": "a rank did not finish within %s s" % args.rank_timeout})
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return {
         "ok": all(r["ok"] for r in ranks),
         "error": next((r["error"] for r in ranks if r["error"]), None),
         "ranks": ranks,
-        "dir": folder,
+        "dir": args.dir,
     }
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    result = launch(args, argv) if args.launch else job(args)
+    temporary = args.dir is None
+    if temporary:
+        args.dir = tempfile.mkdtemp(prefix="ckpt-job-")
+    try:
+        result = launch(args, argv) if args.launch else job(args)
+    finally:
+        if temporary:
+            shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     elif result["ok"]:
-        print("checkpoint saved and loaded back equal (%s)" % result["dir"])
+        print("checkpoint saved and loaded back equal (%s)" % ("in a temporary folder" if temporary else args.dir))
     else:
         print("checkpoint save FAILED: %s" % result["error"])
     return 0 if result["ok"] else 1
