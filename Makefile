@@ -3,7 +3,7 @@
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
 
-.PHONY: demo test test-env wheel lint bench clean
+.PHONY: demo test test-env wheel lint bench compat-table clean
 
 demo:
 	$(PYTHON) tools/demo.py
@@ -23,6 +23,10 @@ lint: test-env
 
 bench: test-env
 	$(PYTHON) bench/run_all.py
+
+# README's compatibility table, from the last `make test` run.
+compat-table:
+	$(PYTHON) tools/compat_table.py --update-readme
 
 clean:
 	rm -rf .cache .venv build dist *.egg-info

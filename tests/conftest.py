@@ -29,6 +29,10 @@ FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
 REFERENCE = "0.13.1"  # native serialization_format support: the byte oracle
 
 
+COMPAT_RESULTS = os.path.join(envs.CACHE, "compat-results.json")
+_compat: Dict[str, Dict[str, List[str]]] = {}
+
+
 def _is_worker(config: Any) -> bool:
     return hasattr(config, "workerinput")
 
@@ -59,6 +63,43 @@ def install_wheel(python: str, wheel: str) -> str:
         [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel], check=True, capture_output=True
     )
     return python
+
+
+# --- the compatibility table -----------------------------------------------------------
+# A test marked ``@pytest.mark.compat(version, "what it verifies")`` contributes a cell to
+# README's compatibility table (tools/compat_table.py renders it from the last full run).
+
+
+def compat_params(versions: List[str], what: str) -> List[Any]:
+    """``versions`` as parameters, each marked as verifying ``what`` for that release."""
+    return [pytest.param(v, marks=pytest.mark.compat(v, what), id=v) for v in versions]
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    for mark in item.iter_markers("compat"):
+        item.user_properties.append(("compat", list(mark.args)))
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
+        return
+    for name, value in getattr(report, "user_properties", ()):
+        if name == "compat":
+            version, what = value
+            _compat.setdefault(version, {}).setdefault(what, []).append(report.outcome)
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    if _is_worker(session.config) or not _compat:
+        return
+    summary = {
+        version: {
+            what: "passed" if all(o == "passed" for o in outcomes) else "failed" for what, outcomes in rows.items()
+        }
+        for version, rows in _compat.items()
+    }
+    with open(COMPAT_RESULTS, "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +171,18 @@ def clean_env(**extra: Optional[str]) -> Dict[str, str]:
 def run_python(
     python: str, args: List[str], env: Dict[str, str], timeout: float = 240, cwd: Optional[str] = None
 ) -> subprocess.CompletedProcess:
+    # Never from the checkout by default: with no .pth processed, `python -m mcore_autopatch`
+    # run from the repository root would import the source tree instead of the wheel.
+    cwd = cwd or _neutral_cwd()
     return subprocess.run([python, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _neutral_cwd() -> str:
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "mcore-autopatch-tests-cwd")
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def last_json(proc: subprocess.CompletedProcess) -> Dict[str, Any]:

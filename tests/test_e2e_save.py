@@ -10,7 +10,7 @@ fail the way the bug fails.
 import json
 
 import pytest
-from conftest import AFFECTED, FIXED_IMPORT_ONLY, FIXED_SAVING, clean_env, mcore_folder, run_python
+from conftest import AFFECTED, FIXED_IMPORT_ONLY, FIXED_SAVING, clean_env, compat_params, mcore_folder, run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,9 @@ def expected_error(version: str) -> str:
     return "_write_item() missing 2 required positional arguments: 'storage_key' and 'serialization_format'"
 
 
-@pytest.mark.parametrize("version", AFFECTED)
+@pytest.mark.parametrize(
+    "version", compat_params(AFFECTED, "async save + load round trip, `.distcp` bytes = native 0.13.1")
+)
 def test_affected_release_saves_and_loads_with_the_wheel(run_job, reference_digests, version):
     result = run_job(version)
     assert result["ok"], result.get("traceback") or result
@@ -31,7 +33,7 @@ def test_affected_release_saves_and_loads_with_the_wheel(run_job, reference_dige
     assert result["files"] == reference_digests("basic")
 
 
-@pytest.mark.parametrize("version", AFFECTED)
+@pytest.mark.parametrize("version", compat_params(AFFECTED, "fails as reported with `MCORE_AUTOPATCH=0`"))
 def test_affected_release_fails_without_the_fix(run_job, version):
     result = run_job(version, env={"MCORE_AUTOPATCH": "0"})
     assert not result["ok"]
@@ -41,7 +43,7 @@ def test_affected_release_fails_without_the_fix(run_job, version):
     assert result["metadata_written"] is False  # no checkpoint that looks complete
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.12.1"])
+@pytest.mark.parametrize("version", compat_params(["0.9.0", "0.12.1"], "every dtype, a view, objects: bytes = native"))
 def test_rich_state_round_trip_is_byte_identical_to_native_0_13_1(run_job, reference_digests, version):
     """float32, bfloat16, float16, int64, uint8, bool, a non-contiguous view, objects."""
     result = run_job(version, "--state", "rich")
@@ -50,7 +52,7 @@ def test_rich_state_round_trip_is_byte_identical_to_native_0_13_1(run_job, refer
     assert result["files"] == reference_digests("rich")
 
 
-@pytest.mark.parametrize("version", FIXED_SAVING)
+@pytest.mark.parametrize("version", compat_params(FIXED_SAVING, "left untouched; saves natively"))
 def test_fixed_release_is_left_untouched_and_saves(run_job, reference_digests, version):
     result = run_job(version)
     assert result["ok"], result.get("traceback") or result
@@ -66,7 +68,9 @@ def _status(e2e_python, version, **env):
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("version", FIXED_SAVING + FIXED_IMPORT_ONLY)
+@pytest.mark.parametrize(
+    "version", compat_params(FIXED_SAVING + FIXED_IMPORT_ONLY, "`status`: not needed, not applied")
+)
 def test_status_says_fixed_releases_need_nothing(e2e_python, version):
     info = _status(e2e_python, version)
     assert info["megatron_core"] == version

@@ -1,0 +1,1 @@
+"""FAKE ``megatron.core.dist_checkpointing`` (tests/fakes): imports nothing."""

@@ -1,0 +1,1 @@
+"""FAKE ``megatron.core.dist_checkpointing.strategies`` (tests/fakes): imports nothing."""

@@ -1,0 +1,1 @@
+"""FAKE ``torch.distributed`` (tests/fakes/fake_torch): an empty package."""

@@ -1,0 +1,1 @@
+"""FAKE ``torch.distributed.checkpoint`` (tests/fakes/fake_torch): an empty package."""
