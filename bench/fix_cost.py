@@ -1,0 +1,86 @@
+"""Time to fix: what the hook adds to the import of megatron-core's writer module.
+
+In a process of the venv with the wheel where ``MCORE_AUTOPATCH=0`` kept the finder off,
+torch and megatron-core 0.12.1's checkpointing are imported; then the writer module is
+executed once more without our finder and once with it (our submodules not yet imported,
+as in a real job). The difference is the time to fix: our first imports, the spec lookup
+behind our finder, the loader wrapper, the policy (metadata lookup, signature read) and the
+rebinding. A second kind of process does the same work step by step, each step cold, for
+the breakdown (under ``-X importtime``, for the self time of each of our modules). The two
+kinds alternate; medians.
+
+    python3 bench/fix_cost.py [--quick]
+"""
+
+import re
+import sys
+from typing import Dict, List
+
+from _common import AFFECTED, INPROCESS, BenchEnvs, Row, alternate, mcore_env, median, run_child, spread, standalone
+
+FIX_BUDGET_MS = 5.0
+SELF_TIME = re.compile(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(mcore_autopatch\.\S+)\s*$")
+
+
+def breakdown_run(py: str, env: Dict[str, str]) -> Dict[str, object]:
+    child = run_child([py, "-X", "importtime", INPROCESS, "fix-breakdown"], env)
+    result = child.json()
+    result["self_us"] = {m.group(2): int(m.group(1)) for m in map(SELF_TIME.match, child.stderr.splitlines()) if m}
+    return result
+
+
+def run(e: BenchEnvs, quick: bool) -> List[Row]:
+    env = mcore_env(AFFECTED, MCORE_AUTOPATCH="0")
+    runs = alternate(
+        {
+            "total": lambda: run_child([e.with_py, INPROCESS, "fix-total"], env).json(),
+            "breakdown": lambda: breakdown_run(e.with_py, env),
+        },
+        3 if quick else 9,
+        label="time to fix",
+        warmup=0,
+    )
+    extra = [r["hooked_ms"] - r["plain_ms"] for r in runs["total"]]
+    total = median(extra)
+    steps = {name: median([r["ms"][name] for r in runs["breakdown"]]) for name in runs["breakdown"][0]["ms"]}
+    modules = sorted({m for r in runs["breakdown"] for m in r["self_us"]})
+    self_us = {m: median([r["self_us"].get(m, 0) for r in runs["breakdown"]]) for m in modules}
+    stdlib = sorted(
+        {m for r in runs["total"] for m in r["new_modules"] if not m.startswith("mcore_autopatch")}
+        | {m for r in runs["breakdown"] for ms in r["new_modules"].values() for m in ms if not m.startswith("mcore_")}
+    )
+    cold = [k for k in steps if not k.endswith("warm")]
+    rows = [
+        Row(
+            "time to fix (writer import, hook vs none)",
+            "%.2f ms" % total,
+            "<= %.0f ms" % FIX_BUDGET_MS,
+            total <= FIX_BUDGET_MS,
+            "in-process: writer module executed without, then with our finder (our modules cold, torch and "
+            "megatron warm); median of per-process differences (%s); plain writer exec %.2f ms; "
+            "modules newly imported besides ours: %s"
+            % (spread(extra), median([r["plain_ms"] for r in runs["total"]]), ", ".join(stdlib) or "none"),
+            samples=runs,
+            fix_ms=total,
+        )
+    ]
+    for name in cold:
+        how = "median, each step cold in a fresh process"
+        if name == "import our modules" and self_us:
+            how += "; -X importtime self µs: " + ", ".join("%s %.0f" % (m, self_us[m]) for m in modules)
+        rows.append(Row("  fix breakdown: %s" % name, "%.3f ms" % steps[name], how=how))
+    rows.append(
+        Row(
+            "  fix breakdown: sum of the cold steps",
+            "%.2f ms" % sum(steps[k] for k in cold),
+            how="vs %.2f ms total, which also holds the spec lookup behind our finder and the loader wrapper "
+            "(the steps here are timed one by one, in other processes)" % total,
+        )
+    )
+    warm = [k for k in steps if k.endswith("warm")]
+    rows += [Row("  fix breakdown: %s" % k, "%.3f ms" % steps[k], how="everything imported already") for k in warm]
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(standalone(run))

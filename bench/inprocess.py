@@ -1,0 +1,361 @@
+"""In-process measurements, run by the benchmarks with a bench venv's python:
+
+    python bench/inprocess.py reject ROUNDS NUMBER       # find_spec reject vs an empty method
+    python bench/inprocess.py count-imports              # meta_path lookups of torch + the writer
+    python bench/inprocess.py fix-total                  # writer import with the hook vs without
+    python bench/inprocess.py fix-breakdown              # the same work, step by step, cold
+    python bench/inprocess.py per-item ROUNDS ITEMS      # the safe _write_item vs torch's own
+    python bench/inprocess.py torch-save MIB PATH        # torch.save + fsync of the 'large' tensor
+    python bench/inprocess.py shim-job JOB ARGS...       # the job with a hand-made one-line shim
+
+Each prints one JSON line. Standard library only at the top: torch, megatron-core (from
+PYTHONPATH) and mcore_autopatch (installed in the venv) are imported where measured.
+"""
+
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+import timeit
+import warnings
+from typing import Any, Callable, Dict, List
+
+WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+PACKAGE = "megatron.core.dist_checkpointing"
+MARK = "__mcore_autopatch__"
+
+
+def emit(result: Dict[str, Any]) -> None:
+    print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def alternate(variants: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
+    """One call of each variant per round, order reversed every other round; one warm-up round."""
+    out: Dict[str, List[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds + 1):
+        for name in names if r % 2 else names[::-1]:
+            value = variants[name]()
+            if r:
+                out[name].append(value)
+    return out
+
+
+# --- find_spec reject ------------------------------------------------------------------------
+
+
+class EmptyFinder:
+    """The floor: a finder method that does nothing at all."""
+
+    __slots__ = ()
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        return None
+
+
+def reject(rounds: int, number: int) -> None:
+    import json.decoder
+
+    import mcore_autopatch
+
+    ours = mcore_autopatch.installed_finder()
+    if ours is None:
+        raise SystemExit("mcore_autopatch's finder is not on sys.meta_path")
+    finders = {"ours": ours, "empty method": EmptyFinder()}
+    hack = next((f for f in sys.meta_path if type(f).__name__ == "DistutilsMetaFinder"), None)
+    if hack is not None:
+        finders["_distutils_hack"] = hack
+    path = list(json.__path__)
+
+    def timer(finder: Any) -> Callable[[], float]:
+        # The attribute lookup is inside the timed statement, as importlib does it per call.
+        t = timeit.Timer("finder.find_spec('json.decoder', path, None)", globals={"finder": finder, "path": path})
+        return lambda: t.timeit(number) / number * 1e9
+
+    assert ours.find_spec("json.decoder", path, None) is None
+    ns = alternate({name: timer(f) for name, f in finders.items()}, rounds)
+    emit({"ns": ns, "median_ns": {k: statistics.median(v) for k, v in ns.items()}, "number": number})
+
+
+# --- how many lookups a torch job makes ------------------------------------------------------------
+
+
+class CountingFinder:
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        self.calls += 1
+        return None
+
+
+def count_imports() -> None:
+    counter = CountingFinder()
+    sys.meta_path.insert(0, counter)  # ahead of ours: sees every lookup ours sees
+    warnings.simplefilter("ignore")
+    import torch  # noqa: F401
+
+    importlib.import_module(WRITER)
+    sys.meta_path.remove(counter)
+    emit({"find_spec_calls": counter.calls, "modules": len(sys.modules)})
+
+
+# --- time to fix -----------------------------------------------------------------------------------
+
+
+def _load_unpatched() -> Any:
+    """torch and megatron-core's checkpointing imported while MCORE_AUTOPATCH=0 kept the
+    finder off; afterwards the variable is cleared so our code would act."""
+    if os.environ.get("MCORE_AUTOPATCH") != "0":
+        raise SystemExit("run with MCORE_AUTOPATCH=0")
+    warnings.simplefilter("ignore")
+    import torch  # noqa: F401
+
+    importlib.import_module(PACKAGE)
+    writer = importlib.import_module(WRITER)
+    import mcore_autopatch  # imported by the .pth already; its submodules are not
+
+    if mcore_autopatch.installed_finder() is not None:
+        raise SystemExit("the finder is installed although MCORE_AUTOPATCH=0")
+    loaded = sorted(m for m in sys.modules if m.startswith("mcore_autopatch."))
+    if loaded:
+        raise SystemExit("already loaded: %s" % loaded)
+    if getattr(writer._write_item, MARK, False):
+        raise SystemExit("the writer is patched already")
+    del os.environ["MCORE_AUTOPATCH"]
+    return writer
+
+
+def fix_total() -> None:
+    """Execute the writer module once more without our finder, then once with it: the
+    difference is what the hook adds to that import (our first imports, the spec lookup
+    behind us, the loader wrapper, the policy and the rebinding)."""
+    _load_unpatched()
+    import mcore_autopatch
+
+    del sys.modules[WRITER]
+    t0 = time.perf_counter()
+    plain = importlib.import_module(WRITER)
+    plain_s = time.perf_counter() - t0
+    assert not getattr(plain._write_item, MARK, False)
+
+    del sys.modules[WRITER]
+    # What activate() does at startup (activate itself would run the callbacks for the
+    # already-imported package now, importing our modules before the timed import).
+    sys.meta_path.insert(0, mcore_autopatch._Finder(dict(mcore_autopatch._WATCHED), "bench"))
+    before = set(sys.modules)
+    t0 = time.perf_counter()
+    hooked = importlib.import_module(WRITER)
+    hooked_s = time.perf_counter() - t0
+    if not getattr(hooked._write_item, MARK, False):
+        raise SystemExit("the hook did not rebind _write_item")
+    new = sorted(set(sys.modules) - before - {WRITER})
+    emit({"plain_ms": plain_s * 1e3, "hooked_ms": hooked_s * 1e3, "new_modules": new})
+
+
+def fix_breakdown() -> None:
+    """The hook's work done by hand, each step cold, in the order the hook does it."""
+    writer = _load_unpatched()
+    steps: Dict[str, float] = {}
+    new: Dict[str, List[str]] = {}
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        before = set(sys.modules)
+        t0 = time.perf_counter()
+        value = fn()
+        steps[name] = (time.perf_counter() - t0) * 1e3
+        new[name] = sorted(set(sys.modules) - before)
+        return value
+
+    def import_ours() -> Any:
+        from mcore_autopatch import importhook, writer_fix  # what the finder and the callback import
+
+        return importhook, writer_fix
+
+    _, writer_fix = step("import our modules", import_ours)
+    policy = writer_fix.policy
+    fs = writer_fix.torch_filesystem()
+    original = fs._write_item
+    version = step("megatron-core version (metadata)", policy.megatron_core_version)
+    if version.version != "0.12.1" or version.source != "metadata":
+        raise SystemExit("unexpected megatron-core version reading: %r" % (version,))
+    signature = step("torch signature", lambda: policy.read_signature(original))
+    decision = step(
+        "decision",
+        lambda: policy.decide("auto", version, signature, writer_fix.torch_version(), writer_fix.torch_has(fs)),
+    )
+    if decision.plan is None:
+        raise SystemExit("no plan: %s" % decision.reason)
+
+    def rebind() -> None:
+        safe = writer_fix.make_safe_write_item(
+            original, decision.plan, signature, fs._StorageWriterTransforms, writer_fix.torch_save_member(fs)
+        )
+        writer._write_item = safe
+
+    step("rebinding", rebind)
+    writer._write_item = original
+    # The whole callback once more, now that everything above is warm.
+    step("on_writer_executed, warm", lambda: writer_fix.on_writer_executed(writer))
+    if not getattr(writer._write_item, MARK, False):
+        raise SystemExit("on_writer_executed did not rebind _write_item")
+    emit({"ms": steps, "new_modules": new})
+
+
+# --- per-item overhead -----------------------------------------------------------------------------
+
+
+def per_item(rounds: int, count: int) -> None:
+    """10,000 tiny BYTE_IO items written into a BytesIO by the safe caller and by torch's
+    own ``_write_item`` called with the arguments the safe caller completes the call with."""
+    import io
+
+    warnings.simplefilter("ignore")
+    import torch  # noqa: F401
+    from torch.distributed.checkpoint import filesystem as fs
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    writer = importlib.import_module(WRITER)
+    safe = writer._write_item
+    if not getattr(safe, MARK, False):
+        raise SystemExit("the writer's _write_item is not mcore_autopatch's")
+    original = safe.__wrapped__
+    from mcore_autopatch import policy, writer_fix
+
+    torch_save = fs.SerializationFormat.TORCH_SAVE
+    transforms = fs._StorageWriterTransforms()
+    items = [WriteItem(index=MetadataIndex("obj%d" % i), type=WriteItemType.BYTE_IO) for i in range(count)]
+    datas = [io.BytesIO(b"%08d" % i) for i in range(count)]
+    pairs = list(zip(datas, items))
+    stream = io.BytesIO()
+    # megatron-core 0.9-0.11 call shape: the wrapper adds transforms and the format.
+    signature = policy.read_signature(original)
+    legacy = writer_fix.make_safe_write_item(
+        original, policy.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
+    )
+
+    def noop(transforms: Any, stream: Any, data: Any, write_item: Any, storage_key: Any, serialization_format: Any):
+        return None
+
+    safe_noop = writer_fix.make_safe_write_item(
+        noop, policy.Plan(False, True), signature, fs._StorageWriterTransforms, torch_save
+    )
+    legacy_noop = writer_fix.make_safe_write_item(
+        noop, policy.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
+    )
+
+    def timed(body: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
+            stream.seek(0)
+            stream.truncate()
+            t0 = time.perf_counter()
+            body()
+            return (time.perf_counter() - t0) / count * 1e9
+
+        return run
+
+    def via_safe() -> None:  # megatron-core 0.12.1's call
+        for data, item in pairs:
+            safe(transforms, stream, data, item, "k")
+
+    def direct() -> None:  # what megatron-core 0.13 passes
+        for data, item in pairs:
+            original(transforms, stream, data, item, "k", serialization_format=torch_save)
+
+    def via_legacy() -> None:  # megatron-core 0.11's call
+        for data, item in pairs:
+            legacy(stream, data, item, "k")
+
+    def noop_safe() -> None:
+        for data, item in pairs:
+            safe_noop(transforms, stream, data, item, "k")
+
+    def noop_legacy() -> None:
+        for data, item in pairs:
+            legacy_noop(stream, data, item, "k")
+
+    def noop_direct() -> None:
+        for data, item in pairs:
+            noop(transforms, stream, data, item, "k", serialization_format=torch_save)
+
+    via_safe()
+    if len(stream.getvalue()) != 8 * count:
+        raise SystemExit("the safe caller wrote %d bytes, expected %d" % (len(stream.getvalue()), 8 * count))
+    ns = alternate(
+        {
+            "safe (0.12.1 call)": timed(via_safe),
+            "safe (0.11 call)": timed(via_legacy),
+            "torch direct": timed(direct),
+            "wrapper around no-op": timed(noop_safe),
+            "wrapper around no-op (0.11 call)": timed(noop_legacy),
+            "no-op direct": timed(noop_direct),
+        },
+        rounds,
+    )
+    emit({"ns": ns, "median_ns": {k: statistics.median(v) for k, v in ns.items()}, "items": count})
+
+
+# --- references for the save benchmark -------------------------------------------------------------
+
+
+def torch_save(mib: int, path: str) -> None:
+    """torch's own serializer on the job's 'large' tensor (same shape), into a file, fsynced:
+    what any torch_dist save of that tensor must at least spend."""
+    import torch
+
+    rows = mib * 1024 * 1024 // 4 // 1024
+    tensor = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(1234))
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(tensor, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    size = os.path.getsize(path)
+    os.remove(path)
+    emit({"save_seconds": seconds, "bytes": size})
+
+
+def shim_job(job: str, *args: str) -> None:
+    """examples/checkpoint_job.py in a venv without mcore_autopatch, after the smallest fix a
+    user could write by hand for megatron-core 0.12.x (which passes transforms already):
+    ``writer._write_item = functools.partial(torch's, serialization_format=TORCH_SAVE)``.
+    A reference for the rebinding's cost on the same megatron-core release, not our code."""
+    import functools
+    import runpy
+
+    warnings.simplefilter("ignore")
+    from torch.distributed.checkpoint import filesystem as fs
+
+    if any(getattr(type(f), "_mcore_autopatch_finder", False) for f in sys.meta_path):
+        raise SystemExit("shim-job must run without mcore_autopatch's finder")
+    writer = importlib.import_module(WRITER)
+    writer._write_item = functools.partial(fs._write_item, serialization_format=fs.SerializationFormat.TORCH_SAVE)
+    sys.argv = [job, *args]
+    runpy.run_path(job, run_name="__main__")
+
+
+def main(argv: List[str]) -> int:
+    name, args = argv[0], argv[1:]
+    if name == "shim-job":
+        shim_job(*args)
+    elif name == "torch-save":
+        torch_save(int(args[0]), args[1])
+    else:
+        {
+            "reject": reject,
+            "count-imports": count_imports,
+            "fix-total": fix_total,
+            "fix-breakdown": fix_breakdown,
+            "per-item": per_item,
+        }[name](*(int(a) for a in args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
