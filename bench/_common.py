@@ -101,15 +101,7 @@ class BenchEnvs:
 
 def clean_env(**extra: Optional[str]) -> Dict[str, str]:
     """This process's environment without anything that would steer a child Python."""
-    prefixes = ("MCORE_AUTOPATCH", "PYTHON", "VIRTUAL_ENV", "PYTEST", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_RANK")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["OMP_NUM_THREADS"] = "1"
-    for key, value in extra.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    return envs.child_env(**extra)
 
 
 def mcore_env(version: str, **extra: Optional[str]) -> Dict[str, str]:

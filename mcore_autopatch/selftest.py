@@ -17,10 +17,10 @@ import tempfile
 import time
 from typing import Any, Optional, TextIO
 
+from mcore_autopatch import WRITER_MODULE
+
 PASSED, FAILED, CANNOT_RUN = 0, 1, 2
 KEY = "mcore_autopatch.selftest.weight"
-WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
 
 _YES_NO = {True: "yes", False: "no", None: "cannot tell"}
 

@@ -124,13 +124,7 @@ def private_venv(wheel_path: str, tmp_path: Any) -> str:
 
 @pytest.fixture(scope="session")
 def e2e_site_packages(e2e_python: str) -> str:
-    out = subprocess.run(
-        [e2e_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip()
+    return envs.site_packages(e2e_python)
 
 
 def mcore_folder(version: str) -> str:
@@ -142,30 +136,7 @@ def mcore_folder(version: str) -> str:
 
 def clean_env(**extra: Optional[str]) -> Dict[str, str]:
     """The environment of this process without anything that would steer the child."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(
-            (
-                "MCORE_AUTOPATCH",
-                "PYTHON",
-                "VIRTUAL_ENV",
-                "PYTEST",
-                "RANK",
-                "WORLD_SIZE",
-                "MASTER_",
-                "LOCAL_RANK",
-                "COV_",
-            )
-        )
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    for key, value in extra.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    return envs.child_env(**extra)
 
 
 def run_python(

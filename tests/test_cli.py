@@ -78,13 +78,7 @@ def wheel_version(wheel_path: str) -> str:
 
 
 def site_packages(python: str) -> str:
-    out = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip()
+    return envs.site_packages(python)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import socket
 from typing import Any, Dict, List
 
 import pytest
-from conftest import JOB, REFERENCE, clean_env, last_json, mcore_folder, run_python
+from conftest import JOB, REFERENCE, clean_env, compat_params, last_json, mcore_folder, run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +61,7 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("thread_count", [1, 2, 4])
-@pytest.mark.parametrize("version", ["0.9.0", "0.12.1"])
+@pytest.mark.parametrize("version", compat_params(["0.9.0", "0.12.1"], "forked write workers, thread_count 1/2/4"))
 def test_forked_write_workers_at_each_thread_count_write_native_bytes(
     run_job, reference_digests, version, thread_count
 ):
@@ -97,7 +97,7 @@ def two_rank_reference(e2e_python: str, tmp_path_factory: Any) -> Dict[int, Dict
     return {rank["rank"]: rank["files"] for rank in result["ranks"]}
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.12.1"])
+@pytest.mark.parametrize("version", compat_params(["0.9.0", "0.12.1"], "two gloo ranks, sharded"))
 def test_two_gloo_ranks_save_shards_byte_identical_to_native(run_job, two_rank_reference, version):
     """Two processes, torchrun-style env; rows sharded by rank, one view sharded along axis 1."""
     result = run_job(version, "--launch", "2", "--state", "rich")
@@ -123,7 +123,7 @@ def test_two_gloo_ranks_fail_without_the_fix(run_job):
 # --- megatron's persistent checkpoint worker (spawned) ----------------------------------
 
 
-@pytest.mark.parametrize("version", RELEASES_0_12)
+@pytest.mark.parametrize("version", compat_params(RELEASES_0_12, "megatron's persistent (spawned) worker"))
 def test_persistent_worker_saves_with_the_wheel(run_job, reference_digests, version):
     """PersistentAsyncCaller spawns a fresh interpreter that unpickles the request and imports
     megatron again; only the .pth fixes the writer there. The parent finalizes."""
@@ -232,7 +232,7 @@ def test_same_install_driver_with_the_startup_hook_saves_in_the_persistent_worke
 
 
 @pytest.mark.parametrize("worker", ["spawn", "forkserver"])
-@pytest.mark.parametrize("version", RELEASES_0_12)
+@pytest.mark.parametrize("version", compat_params(RELEASES_0_12, "save function in spawn / forkserver processes"))
 def test_save_function_in_a_fresh_interpreter_saves_with_the_wheel(run_job, reference_digests, version, worker):
     """spawn starts a new interpreter; forkserver forks from a server that is one. The .pth
     must act there, since the parent's rebinding does not travel."""
@@ -259,7 +259,7 @@ def torchrun_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.12.1"])
+@pytest.mark.parametrize("version", compat_params(["0.9.0", "0.12.1"], "torchrun-style env"))
 def test_torchrun_style_single_rank_saves_with_the_wheel(run_job, reference_digests, version):
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set: the job joins the group through env://."""
     result = run_job(version, env=torchrun_env())

@@ -18,7 +18,7 @@ import zipfile
 from typing import Dict, List
 
 import pytest
-from conftest import ROOT, clean_env, run_python
+from conftest import ROOT, clean_env, envs, run_python
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 
@@ -27,15 +27,7 @@ from packaging.requirements import Requirement
 PTH_CONTENT = 'import sys; exec("try:\\n import mcore_autopatch as m; m.activate()\\nexcept Exception: pass")\n'
 START_CONTENT = "mcore_autopatch:activate\n"
 STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
-SOURCES = [
-    "mcore_autopatch",
-    "setup.py",
-    "setup.cfg",
-    "pyproject.toml",
-    "README.md",
-    "mcore_autopatch.pth",
-    "mcore_autopatch.start",
-]
+SOURCES = envs.SOURCES  # what the wheel is built from
 # Counts finders on sys.meta_path put there by any copy of mcore_autopatch.
 COUNT_FINDERS = "sum(type(f).__module__ == 'mcore_autopatch' for f in sys.meta_path)"
 

@@ -69,6 +69,44 @@ def run(*cmd: str, **kwargs: object) -> None:
     subprocess.run(list(cmd), check=True, **kwargs)  # type: ignore[call-overload]
 
 
+# Variables that would steer a child Python or a child rank: tests and benchmarks start
+# every child without them, then set what the case needs.
+STEERING_PREFIXES = (
+    "MCORE_AUTOPATCH",
+    "PYTHON",
+    "VIRTUAL_ENV",
+    "PYTEST",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_",
+    "LOCAL_RANK",
+    "COV_",
+)
+
+
+def child_env(**extra: "str | None") -> "dict[str, str]":
+    """This process's environment without steering variables, plus ``extra`` (None removes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STEERING_PREFIXES)}
+    env["OMP_NUM_THREADS"] = "1"
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def site_packages(python: str) -> str:
+    """The purelib folder of the interpreter ``python``."""
+    out = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
+
+
 def venv_python(folder: str) -> str:
     return os.path.join(folder, "bin", "python")
 
