@@ -144,6 +144,7 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
         "reason": "",
         "advice": None,
         "missing": None,
+        "hook_decision": None,
     }
     writer = sys.modules.get(mcore_autopatch.WRITER_MODULE)
     problem = None
@@ -181,6 +182,7 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
     if ev.decision.needed and not info["applied"] and ev.original is not None and current is not ev.original:
         reason += "; %s._write_item has been replaced by %s" % (writer.__name__, _name(current))
     info["reason"] = reason
+    info["hook_decision"] = writer_fix.last_decision()  # what the hook itself decided at import
     info["advice"] = _advice(info, finder)
     return info
 

@@ -7,8 +7,8 @@ and forked write workers inherit the rebinding. The safe caller adds only what a
 lacks, judged per call: a default ``_StorageWriterTransforms()`` in front of the legacy
 four-argument call ``(stream, data, write_item, storage_key)``, and
 ``serialization_format=SerializationFormat.TORCH_SAVE`` by keyword when it was passed
-neither by position nor by keyword. A call that is already
-complete (a job's own shim, megatron-core 0.13+ under ``force``) passes through unchanged.
+neither by position nor by keyword. A call that is already complete (a job's own shim,
+megatron-core 0.13+ under ``force``) passes through unchanged.
 
 The callbacks below are what ``mcore_autopatch.importhook`` runs when megatron-core's
 modules execute; they never raise.
@@ -204,6 +204,7 @@ def on_importer_executed(importer: ModuleType) -> None:
 
 
 def last_decision() -> Optional[Dict[str, Any]]:
+    """What the hook decided when the writer module last executed in this process (or None)."""
     last = _state["last"]
     return dict(last) if last else None
 
