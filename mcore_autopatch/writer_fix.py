@@ -18,7 +18,7 @@ import sys
 import threading
 import weakref
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import mcore_autopatch
 from mcore_autopatch import policy
@@ -103,20 +103,13 @@ def torch_version() -> str:
     return str(version) if version is not None else "(unknown version)"
 
 
-class Evaluation:
+class Evaluation(NamedTuple):
     """The decision for one writer module, with what applying it needs."""
 
-    def __init__(
-        self,
-        decision: policy.Decision,
-        fs: Optional[ModuleType] = None,
-        original: Optional[Callable[..., Any]] = None,
-        signature: Optional[policy.WriteItemSignature] = None,
-    ) -> None:
-        self.decision = decision
-        self.fs = fs
-        self.original = original  # torch's own _write_item
-        self.signature = signature
+    decision: policy.Decision
+    fs: Optional[ModuleType] = None
+    original: Optional[Callable[..., Any]] = None  # torch's own _write_item
+    signature: Optional[policy.WriteItemSignature] = None
 
 
 def evaluate(writer: ModuleType, mode: str) -> Evaluation:
