@@ -15,8 +15,11 @@ test: test-env
 	$(TOOLS) -m ruff check .
 	$(TOOLS) -m pytest -n 2 --timeout 900 -p no:cacheprovider
 
+# The wheel in dist/ and its sha256 (reproducible: the same commit gives the same hash;
+# pin it with `pip install --require-hashes`, see examples/Dockerfile).
 wheel:
-	$(PYTHON) tools/envs.py wheel
+	@set -e; whl="$$($(PYTHON) tools/envs.py wheel | tail -n 1)"; test -f "$$whl"; \
+	echo "$$whl"; sha256sum "$$whl"
 
 lint: test-env
 	$(TOOLS) -m ruff check .

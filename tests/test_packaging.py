@@ -4,18 +4,28 @@ A ``.pth`` must sit at the top of site-packages, outside any package, so setup.p
 ``mcore_autopatch.pth`` and ``mcore_autopatch.start`` at the wheel root (and into editable
 wheels). These tests read the built wheel, then install it with pip into small venvs
 without torch, the way a user would, and check that ``pip uninstall`` leaves nothing behind.
+
+The release side: ``python -m build`` on a clean copy of the checkout makes an sdist that
+carries everything a build needs, and a wheel built from that sdist equal to the one built
+from the tree; wheel builds are byte-reproducible (``make wheel`` prints the sha256 to pin);
+the Apache-2.0 LICENSE ships in the metadata. Other installers: tests/test_installers.py.
 """
 
 import csv
 import email.parser
+import glob
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 import zipfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 from conftest import ROOT, clean_env, envs, run_python
@@ -49,14 +59,16 @@ def make_pip_venv(folder: str) -> str:
     return os.path.join(folder, "bin", "python")
 
 
-def pip(python: str, *args: str, cwd: "str | None" = None) -> subprocess.CompletedProcess:
+def pip(
+    python: str, *args: str, cwd: "str | None" = None, env: "Dict[str, str] | None" = None
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [python, "-m", "pip", "--disable-pip-version-check", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=cwd,
-        env=clean_env(),
+        env=env or clean_env(),
     )
     assert proc.returncode == 0, "pip %s failed:\n%s\n%s" % (" ".join(args), proc.stdout, proc.stderr[-4000:])
     return proc
@@ -67,14 +79,124 @@ def site_packages(python: str) -> str:
     return proc.stdout.strip()
 
 
-def finder_count(python: str, cwd: str) -> int:
-    proc = run_python(python, ["-c", "import sys; print(%s)" % COUNT_FINDERS], clean_env(), cwd=cwd)
+def finder_count(python: str, cwd: str, env: "Dict[str, str] | None" = None, flags: "List[str] | None" = None) -> int:
+    proc = run_python(
+        python, [*(flags or []), "-c", "import sys; print(%s)" % COUNT_FINDERS], env or clean_env(), cwd=cwd
+    )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     return int(proc.stdout)
 
 
 def our_files(folder: str) -> List[str]:
+    """Our files in a site-packages folder (none when an uninstall has removed the folder itself)."""
+    if not os.path.isdir(folder):
+        return []
     return sorted(n for n in os.listdir(folder) if "mcore_autopatch" in n or n.startswith("__editable__"))
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def wheel_members(wheel: str) -> Dict[str, bytes]:
+    with zipfile.ZipFile(wheel) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def recorded(wheel: str) -> List[str]:
+    return [row[0] for row in csv.reader(io.StringIO(wheel_text(wheel, ".dist-info/RECORD"))) if row]
+
+
+# --- building: python -m build, reproducible wheels ------------------------------------
+
+TOOLS_PYTHON = envs.venv_python(envs.TOOLS)  # pytest, build, setuptools, wheel
+# What `git clone` of this checkout would not hold (.gitignore), for a checkout without git.
+NOT_IN_A_CLONE = (".git", ".cache", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*_cache")
+
+
+def clean_checkout(dest: str) -> str:
+    """A copy of what a clean clone of this checkout holds: the files git tracks, plus new
+    ones it does not ignore (so uncommitted work is tested too); nothing built or cached."""
+    proc = subprocess.run(
+        ["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:  # not a git checkout (or no git): copy without what .gitignore names
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(*NOT_IN_A_CLONE))
+        return dest
+    for name in filter(None, proc.stdout.split("\0")):
+        path = os.path.join(ROOT, name)
+        if os.path.isfile(path):  # a tracked file deleted in the working tree is not copied
+            os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+            shutil.copy2(path, os.path.join(dest, name))
+    return dest
+
+
+def python_m_build(folder: str, *args: str, src: "str | None" = None) -> subprocess.CompletedProcess:
+    """``python -m build ARGS`` of a clean checkout copy, isolated: setuptools and wheel come
+    from the registry, as for any user who builds a release (or pip installing the sdist)."""
+    src = src or clean_checkout(os.path.join(folder, "checkout"))
+    proc = subprocess.run(
+        [TOOLS_PYTHON, "-m", "build", *args, "--outdir", os.path.join(folder, "dist"), src],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
+    assert proc.returncode == 0, "python -m build %s failed:\n%s\n%s" % (
+        " ".join(args),
+        proc.stdout[-4000:],
+        proc.stderr[-4000:],
+    )
+    return proc
+
+
+def built(folder: str, pattern: str) -> str:
+    (path,) = glob.glob(os.path.join(folder, "dist", pattern))
+    return path
+
+
+@pytest.fixture(scope="session")
+def release_build(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    """``python -m build`` (sdist, then the wheel built from the sdist), and the wheel built
+    straight from the same tree with the same isolated build tools."""
+    folder = str(tmp_path_factory.mktemp("release"))
+    proc = python_m_build(folder)
+    tree = os.path.join(folder, "tree")
+    python_m_build(tree, "--wheel", src=os.path.join(folder, "checkout"))
+    return {
+        "log": proc.stdout,
+        "sdist": built(folder, "mcore_autopatch-*.tar.gz"),
+        "wheel": built(folder, "mcore_autopatch-*.whl"),
+        "tree_wheel": built(tree, "mcore_autopatch-*.whl"),
+    }
+
+
+def build_wheel_from_a_copy(folder: str, mtime: float, mode: int, umask: int, epoch: Optional[str]) -> str:
+    """Build the wheel (as ``make wheel`` does) from a fresh copy of the sources whose files
+    all get ``mtime`` and ``mode``, under ``umask``, with SOURCE_DATE_EPOCH=``epoch`` (None: unset)."""
+    src = envs.copy_sources(os.path.join(folder, "src"))
+    for parent, _dirs, files in os.walk(src):
+        for name in files:
+            os.chmod(os.path.join(parent, name), mode)
+            os.utime(os.path.join(parent, name), (mtime, mtime))
+    proc = subprocess.run(
+        [TOOLS_PYTHON, "-m", "build", "--wheel", "--no-isolation", "--outdir", os.path.join(folder, "dist"), src],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(SOURCE_DATE_EPOCH=epoch),
+        umask=umask,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return built(folder, "mcore_autopatch-*.whl")
+
+
+def member_times_and_modes(wheel: str) -> Dict[str, object]:
+    with zipfile.ZipFile(wheel) as zf:
+        return {i.filename: (i.date_time, i.external_attr >> 16 & 0o777) for i in zf.infolist()}
 
 
 # --- the wheel itself ------------------------------------------------------------------
@@ -113,6 +235,26 @@ def test_wheel_metadata_requires_packaging_but_never_torch_or_megatron(wheel_pat
     assert marker.evaluate({"python_version": "3.9"}) and not marker.evaluate({"python_version": "3.10"})
     assert metadata["Requires-Python"] == ">=3.8"
     assert metadata["Name"] == "mcore-autopatch"
+
+
+# Of https://www.apache.org/licenses/LICENSE-2.0.txt (also Debian's common-licenses/Apache-2.0).
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_license_is_the_apache_2_0_text_and_ships_in_the_wheel_metadata_as_license_file(wheel_path: str) -> None:
+    """setup.cfg says Apache-2.0: the full text is at the top and in .dist-info, named by License-File."""
+    with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        text = f.read()
+    assert hashlib.sha256(text).hexdigest() == APACHE_2_0_SHA256
+    metadata = email.parser.Parser().parsestr(wheel_text(wheel_path, ".dist-info/METADATA"))
+    assert metadata["License"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    # Metadata 2.4 (PEP 639) keeps license files in .dist-info/licenses/; older setuptools in .dist-info/.
+    (shipped,) = [n for n in wheel_names(wheel_path) if n.endswith("/LICENSE")]
+    assert re.fullmatch(r"mcore_autopatch-[^/]+\.dist-info/(licenses/)?LICENSE", shipped), shipped
+    with zipfile.ZipFile(wheel_path) as zf:
+        assert zf.read(shipped) == text
+    assert shipped in recorded(wheel_path)
 
 
 def test_wheel_declares_the_mcore_autopatch_console_script(wheel_path):
@@ -188,13 +330,7 @@ def test_pip_install_puts_startup_files_in_site_packages_and_uninstall_removes_t
 def test_editable_install_carries_the_startup_hook_and_uninstall_removes_it(pip_venv, tmp_path):
     """``pip install -e .``: setup.py adds the startup files to the editable wheel too."""
     src = tmp_path / "src"
-    src.mkdir()
-    for name in SOURCES:
-        path = os.path.join(ROOT, name)
-        if os.path.isdir(path):
-            shutil.copytree(path, str(src / name), ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(path, str(src))
+    envs.copy_sources(str(src))
     sp = site_packages(pip_venv)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -213,3 +349,102 @@ def test_editable_install_carries_the_startup_hook_and_uninstall_removes_it(pip_
     pip(pip_venv, "uninstall", "-y", "mcore-autopatch")
     assert our_files(sp) == []
     assert finder_count(pip_venv, str(elsewhere)) == 0
+
+
+# --- python -m build: the sdist and the wheel built from it ----------------------------
+
+
+def test_python_m_build_on_a_clean_checkout_makes_the_sdist_and_a_wheel_from_it(release_build: Dict[str, str]) -> None:
+    """The release command: isolated build, sdist first, then the wheel built from the sdist."""
+    last = release_build["log"].strip().splitlines()[-1]
+    names = (os.path.basename(release_build["sdist"]), os.path.basename(release_build["wheel"]))
+    assert last == "Successfully built %s and %s" % names
+
+
+def test_sdist_carries_the_startup_files_license_and_only_what_a_build_needs(release_build: Dict[str, str]) -> None:
+    """Without the .pth and .start in the sdist, building (or pip installing) from it fails."""
+    with tarfile.open(release_build["sdist"]) as tf:
+        members = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if m.isfile()}
+        read = {name: tf.extractfile(m).read() for name, m in members.items()}  # type: ignore[union-attr]
+    package = sorted(
+        "mcore_autopatch/" + n
+        for n in os.listdir(os.path.join(ROOT, "mcore_autopatch"))
+        if n.endswith((".py", ".typed"))
+    )
+    build_inputs = ["LICENSE", "MANIFEST.in", "PKG-INFO", "README.md", "pyproject.toml", "setup.cfg", "setup.py"]
+    expected = {*build_inputs, *STARTUP_FILES, *package}
+    assert {n for n in members if not n.startswith("mcore_autopatch.egg-info/")} == expected
+    assert read["mcore_autopatch.pth"].decode("utf-8") == PTH_CONTENT
+    assert read["mcore_autopatch.start"].decode("utf-8") == START_CONTENT
+    for name in ("LICENSE", "setup.py", "pyproject.toml", "MANIFEST.in"):  # setuptools rewrites setup.cfg
+        with open(os.path.join(ROOT, name), "rb") as f:
+            assert read[name] == f.read(), name
+
+
+def test_wheel_built_from_the_sdist_equals_the_wheel_built_from_the_tree(release_build: Dict[str, str]) -> None:
+    """Same members, same bytes (startup files at the root and in RECORD), same sha256."""
+    from_sdist, from_tree = wheel_members(release_build["wheel"]), wheel_members(release_build["tree_wheel"])
+    assert sorted(from_sdist) == sorted(from_tree)
+    assert [n for n in from_sdist if from_sdist[n] != from_tree[n]] == []
+    for name in STARTUP_FILES:
+        assert name in from_sdist and name in recorded(release_build["wheel"])
+    assert sha256(release_build["wheel"]) == sha256(release_build["tree_wheel"])
+
+
+# --- reproducible wheels ---------------------------------------------------------------
+
+# Two checkouts of one commit: different file times (clone date) and modes (umask).
+CHECKOUT_A = {"mtime": 1_000_000_000.0, "mode": 0o644, "umask": 0o022}
+CHECKOUT_B = {"mtime": 1_600_000_000.5, "mode": 0o664, "umask": 0o002}
+
+
+def test_two_wheel_builds_with_the_same_source_date_epoch_are_byte_identical(tmp_path) -> None:
+    """SOURCE_DATE_EPOCH sets every member's time; modes are normalised whatever the umask."""
+    epoch = "1700000000"
+    a = build_wheel_from_a_copy(str(tmp_path / "a"), epoch=epoch, **CHECKOUT_A)  # type: ignore[arg-type]
+    b = build_wheel_from_a_copy(str(tmp_path / "b"), epoch=epoch, **CHECKOUT_B)  # type: ignore[arg-type]
+    assert sha256(a) == sha256(b)
+    when = time.gmtime(int(epoch))[:6]
+    for name, (date_time, mode) in member_times_and_modes(a).items():
+        assert date_time == when, name
+        assert name.endswith("/RECORD") or mode == 0o644, (name, oct(mode))
+
+
+def test_two_wheel_builds_without_source_date_epoch_are_byte_identical(tmp_path) -> None:
+    """Unset, setup.py uses a fixed time (1980-01-01), so a plain `make wheel` is reproducible too."""
+    a = build_wheel_from_a_copy(str(tmp_path / "a"), epoch=None, **CHECKOUT_A)  # type: ignore[arg-type]
+    b = build_wheel_from_a_copy(str(tmp_path / "b"), epoch=None, **CHECKOUT_B)  # type: ignore[arg-type]
+    assert sha256(a) == sha256(b)
+    assert {dt for dt, _mode in member_times_and_modes(a).values()} == {(1980, 1, 1, 0, 0, 0)}
+
+
+def test_make_wheel_prints_the_wheel_and_its_sha256_the_same_for_two_builds(tmp_path) -> None:
+    """`make wheel` in a copy of the checkout (its .cache/tools is this run's): path, then
+    ``sha256sum`` of it; rebuilt after touching every source, the hash does not change."""
+    work = tmp_path / "checkout"
+    envs.copy_sources(str(work))
+    (work / "tools").mkdir()
+    shutil.copy2(os.path.join(ROOT, "Makefile"), str(work))
+    shutil.copy2(os.path.join(ROOT, "tools", "envs.py"), str(work / "tools"))
+    (work / ".cache").mkdir()
+    os.symlink(envs.TOOLS, str(work / ".cache" / "tools"))
+    printed = []
+    for mtime in (1_000_000_000, 1_700_000_000):
+        for parent, _dirs, files in os.walk(str(work / "mcore_autopatch")):
+            for name in files:
+                os.utime(os.path.join(parent, name), (mtime, mtime))
+        proc = subprocess.run(
+            ["make", "-s", "wheel"],
+            cwd=str(work),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=clean_env(SOURCE_DATE_EPOCH=None),
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        path_line, sum_line = proc.stdout.strip().splitlines()[-2:]
+        assert os.path.dirname(path_line) == str(work / "dist")
+        assert sum_line == "%s  %s" % (sha256(path_line), path_line)
+        printed.append(sum_line.split()[0])
+        os.remove(path_line)
+    assert printed[0] == printed[1]

@@ -40,6 +40,7 @@ TOOL_REQUIREMENTS = [
     "setuptools==84.2.1",
     "wheel==0.48.0",
     "packaging",
+    "uv==0.13.9",  # tests/test_installers.py: `uv venv` and `uv pip install` of the wheel
 ]
 # Every megatron-core release the tests use: the affected range, the fixed releases, and
 # newer ones that are only imported (their save path needs CUDA).
@@ -202,26 +203,37 @@ SOURCES = [
     "setup.cfg",
     "pyproject.toml",
     "README.md",
+    "LICENSE",
+    "MANIFEST.in",
     "mcore_autopatch.pth",
     "mcore_autopatch.start",
 ]
 
 
+def copy_sources(dest: str) -> str:
+    """Copy ``SOURCES`` of this checkout (no ``__pycache__``) into the new folder ``dest``."""
+    os.makedirs(dest)
+    for name in SOURCES:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(dest, name), ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, dest)
+    return dest
+
+
 def wheel(out: str = DIST) -> str:
-    """Build the wheel from this checkout into ``out``; return its path."""
+    """Build the wheel from this checkout into ``out``; return its path.
+
+    setup.py makes it reproducible (fixed member times unless SOURCE_DATE_EPOCH is set,
+    normalised modes), so the same sources and build tools give the same sha256.
+    """
     import tempfile
 
     py = venv_python(TOOLS) if os.path.exists(venv_python(TOOLS)) else tools()
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mcore-autopatch-build-") as tmp:
-        src = os.path.join(tmp, "src")
-        os.makedirs(src)
-        for name in SOURCES:
-            path = os.path.join(ROOT, name)
-            if os.path.isdir(path):
-                shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(path, src)
+        src = copy_sources(os.path.join(tmp, "src"))
         built_dir = os.path.join(tmp, "dist")
         proc = subprocess.run(
             [py, "-m", "build", "--wheel", "--no-isolation", "--outdir", built_dir, src], capture_output=True, text=True
