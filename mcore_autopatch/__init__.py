@@ -3,10 +3,10 @@
 This module is the startup room. ``mcore_autopatch.pth`` imports it in every interpreter
 of an image, so it uses only ``os`` and ``sys`` (already loaded by ``python -c pass``),
 never prints, never raises, and does one thing: unless ``MCORE_AUTOPATCH`` switches it
-off, it puts one small finder on ``sys.meta_path`` that ignores every import but the two
-megatron-core modules below. The import hook proper (``importhook``), the policy that
-decides (``policy``) and the fix (``writer_fix``) are imported only when megatron-core's
-writer module is imported, i.e. in processes that already pay for torch.
+off, it puts one small finder on ``sys.meta_path`` that ignores every import but the few
+writer modules below. The import hook proper (``importhook``), the policy that decides
+(``policy``, ``writers``) and the fix (``writer_fix``) are imported only when a writer
+module is imported, i.e. in processes that already pay for torch.
 """
 
 import os
@@ -20,17 +20,23 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["__version__", "activate", "install", "read_mode", "status"]
 
-# The module whose ``_write_item`` global is rebound.
+# megatron-core's writer module, whose ``_write_item`` global is rebound.
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 # Imports the writer at the top in every release from 0.9 to 0.16, and every torch_dist save
 # goes through it. When it has executed the writer is looked at again, in case a finder
 # ahead of ours loaded the writer module without asking us.
 IMPORTER_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+# nvidia-resiliency-ext's copy of the writer (0.3.0 makes megatron-core 0.12's call).
+NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
 
-# Callbacks by "module:function" name, resolved only when the watched module executes.
+# Callbacks by "module:function" name, resolved only when the watched module executes. The
+# writers and what is known of them are in mcore_autopatch/writers.py (not imported here:
+# this runs at every interpreter start); a test checks that these names match that table.
+_ON_WRITER = ("mcore_autopatch.writer_fix:on_writer_executed",)
 _WATCHED = {
-    WRITER_MODULE: ("mcore_autopatch.writer_fix:on_writer_executed",),
+    WRITER_MODULE: _ON_WRITER,
     IMPORTER_MODULE: ("mcore_autopatch.writer_fix:on_importer_executed",),
+    NVRX_WRITER_MODULE: _ON_WRITER,
 }
 
 _OFF_WORDS = ("0", "off", "false", "no")

@@ -6,9 +6,10 @@
 * ``selftest [--dir DIR]``: a real tiny async save and load; exit 0 only when the round
   trip is equal, 1 when it fails, 2 when it cannot run here.
 
-``status`` and ``check`` import megatron-core's writer module to decide, the way a
-training job would, so they answer for this interpreter as it was started. Results go to
-stdout; the ``mcore_autopatch`` logger (``MCORE_AUTOPATCH_LOG``) writes only to stderr.
+``status`` and ``check`` import each installed writer module (megatron-core's, and
+nvidia-resiliency-ext's) to decide, the way a training job would, so they answer for this
+interpreter as it was started. Results go to stdout; the ``mcore_autopatch`` logger
+(``MCORE_AUTOPATCH_LOG``) writes only to stderr.
 """
 
 import argparse
@@ -41,6 +42,19 @@ def _startup_file(info: Dict[str, Any]) -> str:
     return "%s (%s)" % (info["startup_file"], state)
 
 
+def _other_writer(writer: Dict[str, Any]) -> str:
+    """One line for a known writer other than megatron-core's (nvidia-resiliency-ext)."""
+    version = writer["version"] or "version unknown"
+    if writer["version_source"]:
+        version += " (version from %s)" % writer["version_source"]
+    return "%s; fix needed: %s: %s; fix applied: %s" % (
+        version,
+        _yes_no(writer["needed"]),
+        writer["reason"],
+        _yes_no(writer["applied"]),
+    )
+
+
 def format_status(info: Dict[str, Any]) -> str:
     """The human report of ``status``: one labelled line per fact."""
     if info["hook_installed"]:
@@ -60,6 +74,9 @@ def format_status(info: Dict[str, Any]) -> str:
         ("fix needed", "%s: %s" % (_yes_no(info["needed"]), info["reason"])),
         ("fix applied", _yes_no(info["applied"])),
     ]
+    for writer in info.get("writers", [])[1:]:  # megatron-core's is the rows above
+        if writer["installed"]:
+            rows.append((writer["name"], _other_writer(writer)))
     if info["advice"] and not info["applied"]:
         rows.append(("to activate", info["advice"]))
     lines = ["mcore-autopatch %s" % info["version"]]
@@ -70,7 +87,10 @@ def format_status(info: Dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-autopatch",
-        description="Fixes megatron-core's async checkpoint writer on torch 2.7+; reports whether it is active.",
+        description=(
+            "Fixes megatron-core's (and nvidia-resiliency-ext's) async checkpoint writer on torch 2.7+; "
+            "reports whether it is active."
+        ),
         epilog="Environment: MCORE_AUTOPATCH=auto|0|force, MCORE_AUTOPATCH_LOG=debug|info|warning|error (stderr).",
     )
     parser.add_argument("--version", action="version", version="mcore-autopatch %s" % mcore_autopatch.__version__)

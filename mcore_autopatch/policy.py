@@ -1,15 +1,19 @@
-"""Decide whether megatron-core's writer needs the fix, and what exactly it must supply.
+"""Decide whether a known writer needs the fix, and what exactly it must supply.
 
-Two facts decide, both read from what is installed, never assumed:
+Three facts decide, all read from what is installed, never assumed:
 
 * torch's ``_write_item`` signature, by parameter names (``read_signature``):
   ``(stream, data, write_item, storage_key)`` up to torch 2.6; ``transforms`` first from
   2.7 (with an optional ``safe_tensors`` 6th parameter in 2.7 that must never receive an
   argument: a truthy one skips ``torch.save`` and loses the tensor bytes); a required
   ``serialization_format`` from 2.8.
-* megatron-core's version (``megatron_core_version``): releases before 0.12 call
-  ``_write_item(stream, data, write_item, storage_key)``; 0.12.x add the writer's
-  ``transforms`` in front; 0.13 and later pass ``serialization_format`` themselves.
+* the writer's version (``writer_version``; the releases are in ``writers``): megatron-core
+  before 0.12 calls ``_write_item(stream, data, write_item, storage_key)``, 0.12.x add the
+  writer's ``transforms`` in front, 0.13 and later pass ``serialization_format`` themselves;
+  nvidia-resiliency-ext 0.3.0 calls it as megatron-core 0.12 does, 0.4 passes it.
+* the writer's own call (``read_call``): whether the code that calls ``_write_item`` names
+  ``serialization_format`` at all. It overrules the version for that argument, so that a
+  development tree already labelled 0.13.0rc0 but still making the old call is fixed.
 
 Anything unrecognised means "do not patch" with a reason, because a guess could change
 what gets written.
@@ -18,15 +22,14 @@ what gets written.
 import inspect
 import re
 import sys
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from types import CodeType, ModuleType
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Tuple
+
+from mcore_autopatch.writers import MEGATRON_CORE, KnownWriter
 
 LEGACY_PARAMS = ("stream", "data", "write_item", "storage_key")
 FORMAT_PARAM = "serialization_format"
 TORCH_27_FLAG = "safe_tensors"
-# megatron-core passes serialization_format itself from this release on.
-FIXED_IN = (0, 13)
-# megatron-core passes the writer's transforms from this release on.
-PASSES_TRANSFORMS_FROM = (0, 12)
 
 
 class WriteItemSignature(NamedTuple):
@@ -96,7 +99,7 @@ def _plain_signature(sig: inspect.Signature) -> str:
     return str(sig.replace(parameters=params, return_annotation=sig.empty))
 
 
-# --- megatron-core version -------------------------------------------------------------
+# --- the writer's version --------------------------------------------------------------
 
 
 def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
@@ -118,7 +121,7 @@ def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
         return None
 
 
-class MegatronVersion(NamedTuple):
+class WriterVersion(NamedTuple):
     version: Optional[str]
     release: Optional[Tuple[int, ...]]
     source: str  # "metadata", "package_info", or why neither worked
@@ -128,23 +131,30 @@ class MegatronVersion(NamedTuple):
         return self.release is not None
 
 
-def megatron_core_version() -> MegatronVersion:
-    """The installed megatron-core version: its distribution metadata when that metadata
-    belongs to the code actually imported, else ``megatron.core.package_info``."""
-    meta_version, meta_matches = _from_metadata()
+MegatronVersion = WriterVersion  # its name while megatron-core was the only writer
+
+
+def writer_version(writer: KnownWriter) -> WriterVersion:
+    """The installed version of ``writer``'s distribution: its metadata when that metadata
+    belongs to the code actually imported, else its ``package_info`` module."""
+    meta_version, meta_matches = _from_metadata(writer)
     if meta_version is not None and meta_matches and parse_release(meta_version):
-        return MegatronVersion(meta_version, parse_release(meta_version), "metadata")
-    info_version = _from_package_info()
+        return WriterVersion(meta_version, parse_release(meta_version), "metadata")
+    info_version = _from_package_info(writer.package_info)
     if info_version is not None and parse_release(info_version):
-        return MegatronVersion(info_version, parse_release(info_version), "package_info")
+        return WriterVersion(info_version, parse_release(info_version), "package_info")
     if meta_version is not None and parse_release(meta_version):
         # Metadata of another copy than the one imported; still the best there is.
-        return MegatronVersion(meta_version, parse_release(meta_version), "metadata (another copy)")
-    return MegatronVersion(
-        meta_version or info_version,
-        None,
-        "neither megatron-core's distribution metadata nor megatron.core.package_info gives a version",
-    )
+        return WriterVersion(meta_version, parse_release(meta_version), "metadata (another copy)")
+    if writer.package_info:
+        why = "neither %s's distribution metadata nor %s gives a version" % (writer.name, writer.package_info)
+    else:
+        why = "%s's distribution metadata gives no version" % writer.name
+    return WriterVersion(meta_version or info_version, None, why)
+
+
+def megatron_core_version() -> WriterVersion:
+    return writer_version(MEGATRON_CORE)
 
 
 def _metadata_module() -> Any:
@@ -160,11 +170,11 @@ def _metadata_module() -> Any:
     return importlib.metadata
 
 
-def _from_metadata() -> "tuple[Optional[str], bool]":
-    """(version, whether that distribution holds the imported megatron.core)."""
+def _from_metadata(writer: KnownWriter) -> "tuple[Optional[str], bool]":
+    """(version, whether that distribution holds the imported code of ``writer``)."""
     try:
         md = _metadata_module()
-        for name in ("megatron-core", "megatron_core"):
+        for name in writer.distributions:
             try:
                 dist = md.distribution(name)
                 break
@@ -177,7 +187,7 @@ def _from_metadata() -> "tuple[Optional[str], bool]":
             return None, False
     except Exception:
         return None, False
-    return version, _holds_loaded_code(dist)
+    return version, _holds_loaded_code(dist, writer.module)
 
 
 def _version_header(dist: Any) -> Optional[str]:
@@ -197,28 +207,129 @@ def _version_header(dist: Any) -> Optional[str]:
     return dist.version  # type: ignore[no-any-return]
 
 
-def _holds_loaded_code(dist: Any) -> bool:
-    core = sys.modules.get("megatron.core")
-    loaded = getattr(core, "__file__", None)
-    if not loaded:
-        return True  # nothing imported to compare with
+def _holds_loaded_code(dist: Any, module_name: str) -> bool:
+    """Whether ``dist`` holds the file of ``module_name`` (or of its nearest imported
+    package) that this process actually imported."""
+    import os
+
+    parts = module_name.split(".")
+    for depth in range(len(parts), 0, -1):
+        loaded = getattr(sys.modules.get(".".join(parts[:depth])), "__file__", None)
+        if not loaded:
+            continue  # not imported yet, or a namespace package
+        relative, name = os.path.join(*parts[:depth]), os.path.basename(loaded)
+        if name.startswith("__init__."):
+            relative = os.path.join(relative, name)  # a package
+        else:
+            relative += os.path.splitext(name)[1]
+        try:
+            candidate = os.fspath(dist.locate_file(relative))
+            return os.path.realpath(candidate) == os.path.realpath(loaded)
+        except Exception:
+            return True
+    return True  # nothing imported to compare with
+
+
+def _from_package_info(module_name: Optional[str]) -> Optional[str]:
+    if not module_name:
+        return None
     try:
-        import os
+        import importlib
 
-        candidate = os.fspath(dist.locate_file("megatron/core/__init__.py"))
-        return os.path.realpath(candidate) == os.path.realpath(loaded)
-    except Exception:
-        return True
-
-
-def _from_package_info() -> Optional[str]:
-    try:
-        from megatron.core import package_info
-
-        version = getattr(package_info, "__version__", None)
+        version = getattr(importlib.import_module(module_name), "__version__", None)
         return version if isinstance(version, str) else None
     except Exception:
         return None
+
+
+# --- the writer's own call -------------------------------------------------------------
+
+FORMAT_NAMES = frozenset((FORMAT_PARAM, "SerializationFormat"))
+
+
+class CallEvidence(NamedTuple):
+    """What the writer module's code shows of its ``_write_item`` calls.
+
+    Read from the code objects of the module's functions and methods (no file is read): a
+    function calls ``_write_item`` when the name is among the names its code loads, and it
+    passes ``serialization_format`` when its code names the argument or torch's enum
+    (megatron-core 0.13 and nvidia-resiliency-ext 0.4 build the keyword from the string).
+    """
+
+    callers: Tuple[str, ...] = ()  # qualified names of the functions that call _write_item
+    without_format: Tuple[str, ...] = ()  # those of them whose code never names the format
+
+    @property
+    def passes_format(self) -> Optional[bool]:
+        """None when no caller was found (the version alone decides then)."""
+        return None if not self.callers else not self.without_format
+
+    @property
+    def text(self) -> str:
+        if not self.callers:
+            return "no function calling _write_item found in its code"
+        if self.without_format:
+            return "%s calls _write_item without %s" % (", ".join(self.without_format), FORMAT_PARAM)
+        return "%s passes %s" % (", ".join(self.callers), FORMAT_PARAM)
+
+
+NO_CALL_FOUND = CallEvidence()
+
+
+def read_call(module: ModuleType) -> CallEvidence:
+    """How the functions defined in ``module`` call ``_write_item``."""
+    callers: "list[str]" = []
+    lacking: "list[str]" = []
+    for qualname, names in _function_names(module):
+        if "_write_item" not in names:
+            continue
+        callers.append(qualname)
+        if not names & FORMAT_NAMES:
+            lacking.append(qualname)
+    return CallEvidence(tuple(callers), tuple(lacking))
+
+
+def _function_names(module: ModuleType) -> "Iterator[tuple[str, set[str]]]":
+    """(qualified name, every name its code mentions) for each function the module defines."""
+    home = getattr(module, "__name__", None)
+    seen: "set[int]" = set()
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) != home:
+            continue  # imported from elsewhere (torch's _write_item, or our safe caller)
+        members = list(vars(value).items()) if isinstance(value, type) else [(None, value)]
+        for attr, member in members:
+            qualname = value.__name__ if attr is None else "%s.%s" % (value.__name__, attr)
+            names: "set[str]" = set()
+            for code in _unwrapped_codes(member, seen):
+                _collect_names(code, names)
+            if names:
+                yield qualname, names
+
+
+def _unwrapped_codes(obj: Any, seen: "set[int]") -> "Iterator[CodeType]":
+    """The code of ``obj`` and of what it wraps (staticmethod, ``functools.wraps`` chains)."""
+    for _ in range(8):  # a decorator chain longer than this is not a writer we know
+        function = getattr(obj, "__func__", obj)
+        code = getattr(function, "__code__", None)
+        if isinstance(code, CodeType) and id(code) not in seen:
+            seen.add(id(code))
+            yield code
+        obj = getattr(function, "__wrapped__", None)
+        if obj is None:
+            return
+
+
+def _collect_names(code: CodeType, names: "set[str]") -> None:
+    names.update(code.co_names, code.co_varnames)
+    stack: "list[Any]" = list(code.co_consts)
+    while stack:
+        const = stack.pop()
+        if isinstance(const, str) and const.isidentifier():
+            names.add(const)  # keyword names of a call, dict keys; not docstrings or messages
+        elif isinstance(const, (tuple, frozenset)):
+            stack.extend(const)
+        elif isinstance(const, CodeType):
+            _collect_names(const, names)  # nested functions and comprehensions
 
 
 # --- the decision ----------------------------------------------------------------------
@@ -239,22 +350,30 @@ class Decision(NamedTuple):
 
 def decide(
     mode: str,
-    megatron: MegatronVersion,
+    version: WriterVersion,
     signature: WriteItemSignature,
     torch_version: str,
     torch_has: "Callable[[str], bool]",
+    writer: KnownWriter = MEGATRON_CORE,
+    call: CallEvidence = NO_CALL_FOUND,
 ) -> Decision:
-    """Whether to patch, and how. ``torch_has(name)`` tells whether torch's filesystem
-    module has ``SerializationFormat`` / ``_StorageWriterTransforms``."""
+    """Whether to patch ``writer``, and how.
+
+    ``torch_has(name)`` tells whether torch's filesystem module has ``SerializationFormat`` /
+    ``_StorageWriterTransforms``. Whether the writer passes ``serialization_format`` is read
+    from its code (``call``) when a caller was found there, else from its version; so a
+    source tree whose version claims the fix while its writer makes the old call is fixed,
+    and one that carries the fix under an older version is left alone.
+    """
     torch_label = "torch %s" % torch_version
     if signature.problem:
         return Decision(None, "%s: %s; not patching" % (torch_label, signature.problem))
     supply_format = signature.has_format and (signature.format_required or not _is_torch_save(signature.format_default))
     if not signature.takes_transforms and not supply_format:
         return Decision(
-            False, "%s's %s is called correctly by every megatron-core release" % (torch_label, signature.text)
+            False, "%s's %s is called correctly by every %s release" % (torch_label, signature.text, writer.name)
         )
-    mcore_label = "megatron-core %s" % (megatron.version or "(unknown version)")
+    label = "%s %s" % (writer.name, version.version or "(unknown version)")
     missing = []
     if mode == "force":
         # Skip the version gate: supply whatever torch requires and a call lacks.
@@ -264,27 +383,34 @@ def decide(
             missing.append(FORMAT_PARAM)
         if not missing:
             return Decision(None, "MCORE_AUTOPATCH=force, but torch has nothing to supply; not patching")
-        prefix = "MCORE_AUTOPATCH=force: supplying %s where a call lacks it (%s)" % (
-            " and ".join(missing),
-            mcore_label,
-        )
+        prefix = "MCORE_AUTOPATCH=force: supplying %s where a call lacks it (%s)" % (" and ".join(missing), label)
     else:
-        if not megatron.known:
-            return Decision(None, "%s; set MCORE_AUTOPATCH=force to patch anyway" % megatron.source)
-        release = megatron.release or ()
-        if release[:2] >= FIXED_IN:
-            return Decision(False, "%s passes %s itself" % (mcore_label, FORMAT_PARAM))
-        if signature.takes_transforms and release[:2] < PASSES_TRANSFORMS_FROM:
+        if not version.known:
+            return Decision(None, "%s; set MCORE_AUTOPATCH=force to patch anyway" % version.source)
+        release = version.release or ()
+        by_version = release[: len(writer.fixed_in)] >= writer.fixed_in
+        passes_format = by_version if call.passes_format is None else call.passes_format
+        passes_transforms = release[: len(writer.passes_transforms_from)] >= writer.passes_transforms_from
+        note = ""
+        if passes_format != by_version:
+            note = " (read from its writer's code, %s; by its version alone it would %s)" % (
+                ", ".join(call.without_format or call.callers),
+                "pass it" if by_version else "not",
+            )
+        if passes_format and (passes_transforms or not signature.takes_transforms):
+            return Decision(False, "%s passes %s itself%s" % (label, FORMAT_PARAM, note))
+        if signature.takes_transforms and not passes_transforms:
             missing.append("transforms")
-        if supply_format:
+        if supply_format and not passes_format:
             missing.append(FORMAT_PARAM)
         if not missing:
-            return Decision(False, "%s passes everything %s's _write_item requires" % (mcore_label, torch_label))
-        prefix = "%s calls _write_item without %s; %s requires %s" % (
-            mcore_label,
+            return Decision(False, "%s passes everything %s's _write_item requires" % (label, torch_label))
+        prefix = "%s calls _write_item without %s; %s requires %s%s" % (
+            label,
             " and ".join(missing),
             torch_label,
             "it" if len(missing) == 1 else "them",
+            note,
         )
     for needs, name in (("transforms", "_StorageWriterTransforms"), (FORMAT_PARAM, "SerializationFormat")):
         if needs in missing and not torch_has(name):

@@ -1,8 +1,10 @@
 """``status()``: what mcore-autopatch sees and decided in this interpreter, and ``check``.
 
-Read-only: it never applies the fix itself. With ``import_writer`` it imports
-megatron-core's writer module the normal way, so an active hook fires exactly as it would
-in a training job, and the answer reflects this interpreter as it was started.
+Read-only: it never applies the fix itself. With ``import_writer`` it imports each known
+writer module (``mcore_autopatch.writers``) that is installed, the normal way, so an active
+hook fires exactly as it would in a training job, and the answer reflects this interpreter
+as it was started. megatron-core's answer is also given at the top level of the dict, under
+the keys scripts have read since 0.1.0.
 """
 
 import contextlib
@@ -15,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mcore_autopatch
 from mcore_autopatch import policy
+from mcore_autopatch.writers import KNOWN_WRITERS, KnownWriter
 
 STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
 
@@ -104,15 +107,79 @@ def torch_version() -> Optional[str]:
     return _dist_version("torch")
 
 
-def _import_writer() -> Tuple[Optional[Any], Optional[str], Optional[str]]:
-    """(module, problem, missing top-level name) after trying to import the writer."""
+def _import_writer(module: str) -> Tuple[Optional[Any], Optional[str], Optional[str]]:
+    """(module, problem, name of the missing module) after trying to import a writer module."""
     try:
-        return importlib.import_module(mcore_autopatch.WRITER_MODULE), None, None
+        return importlib.import_module(module), None, None
     except ModuleNotFoundError as exc:
-        missing = (exc.name or "").split(".")[0]
-        return None, "%s: %s" % (type(exc).__name__, exc), missing
+        return None, "%s: %s" % (type(exc).__name__, exc), exc.name or ""
     except Exception as exc:
         return None, "%s: %s" % (type(exc).__name__, exc), None
+
+
+def _is_part_of(missing: Optional[str], module: str) -> bool:
+    """Whether the missing module ``missing`` is ``module`` or one of its packages."""
+    return bool(missing) and (module == missing or module.startswith(str(missing) + "."))
+
+
+def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[str, Any]:
+    """What is known and decided about one known writer in this interpreter."""
+    version = policy.writer_version(known)
+    row: Dict[str, Any] = {
+        "name": known.name,
+        "module": known.module,
+        "version": version.version,
+        "version_source": version.source if version.version else None,
+        "installed": version.version is not None,
+        "imported": known.module in sys.modules,
+        "writer_code": None,
+        "torch_write_item": None,
+        "needed": None,
+        "applied": False,
+        "reason": "",
+        "missing": None,
+        "hook_decision": None,
+    }
+    writer = sys.modules.get(known.module)
+    problem = None
+    if writer is None and import_writer:
+        writer, problem, row["missing"] = _import_writer(known.module)
+    if writer is None:
+        top = known.module.split(".")[0]
+        if problem is None:
+            row["reason"] = "%s's writer module is not imported in this process (yet)" % known.name
+        elif row["missing"] == top or (_is_part_of(row["missing"], known.module) and not row["installed"]):
+            row.update(installed=False, needed=False)
+            row["reason"] = "%s is not installed in this interpreter: nothing to fix" % known.name
+        elif _is_part_of(row["missing"], known.module):
+            row.update(installed=True, needed=False)
+            row["reason"] = "%s %s has no %s: nothing to fix" % (known.name, version.version, known.module)
+        elif (row["missing"] or "").split(".")[0] == "torch":
+            row["installed"] = True
+            row["reason"] = (
+                "torch is not importable in this interpreter (%s), so neither its _write_item nor "
+                "%s's writer can be read" % (problem, known.name)
+            )
+        else:
+            row["installed"] = True
+            row["reason"] = "cannot import %s's writer module: %s" % (known.name, problem)
+        return row
+
+    from mcore_autopatch import writer_fix
+
+    ev = writer_fix.evaluate(writer, "auto" if mode == "off" else mode)
+    current = vars(writer).get("_write_item")
+    row.update(installed=True, imported=True)
+    row["writer_code"] = ev.call.text if ev.call else None
+    row["torch_write_item"] = ev.signature.text if ev.signature else None
+    row["needed"] = ev.decision.needed
+    row["applied"] = writer_fix.is_safe_write_item(current)
+    reason = ev.decision.reason
+    if ev.decision.needed and not row["applied"] and ev.original is not None and current is not ev.original:
+        reason += "; %s._write_item has been replaced by %s" % (writer.__name__, _name(current))
+    row["reason"] = reason
+    row["hook_decision"] = writer_fix.last_decision(known.module)  # what the hook decided at import
+    return row
 
 
 def status(import_writer: bool = False) -> Dict[str, Any]:
@@ -135,55 +202,24 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
         "executable": sys.executable,
         "pid": os.getpid(),
         "torch": None,
-        "megatron_core": None,
-        "megatron_core_source": None,
-        "writer_imported": mcore_autopatch.WRITER_MODULE in sys.modules,
-        "torch_write_item": None,
-        "needed": None,
-        "applied": False,
-        "reason": "",
-        "advice": None,
-        "missing": None,
-        "hook_decision": None,
     }
-    writer = sys.modules.get(mcore_autopatch.WRITER_MODULE)
-    problem = None
-    if writer is None and import_writer:
-        writer, problem, info["missing"] = _import_writer()
+    rows = [writer_status(known, import_writer, mode) for known in KNOWN_WRITERS]
     info["torch"] = torch_version()
-    mver = policy.megatron_core_version()
-    info["megatron_core"] = mver.version
-    info["megatron_core_source"] = mver.source if mver.version else None
-    if writer is None:
-        if problem is None:
-            info["reason"] = "megatron-core's writer module is not imported in this process (yet)"
-        elif info["missing"] == "megatron":
-            info["needed"] = False
-            info["reason"] = "megatron-core is not installed in this interpreter: nothing to fix"
-        elif info["missing"] == "torch":
-            info["reason"] = (
-                "torch is not importable in this interpreter (%s), so neither its _write_item nor "
-                "megatron-core's writer can be read" % problem
-            )
-        else:
-            info["reason"] = "cannot import megatron-core's writer module: %s" % problem
-        info["advice"] = _advice(info, finder)
-        return info
-
-    from mcore_autopatch import writer_fix
-
-    ev = writer_fix.evaluate(writer, "auto" if mode == "off" else mode)
-    info["writer_imported"] = True
-    info["torch_write_item"] = ev.signature.text if ev.signature else None
-    info["needed"] = ev.decision.needed
-    info["applied"] = writer_fix.is_safe_write_item(vars(writer).get("_write_item"))
-    current = vars(writer).get("_write_item")
-    reason = ev.decision.reason
-    if ev.decision.needed and not info["applied"] and ev.original is not None and current is not ev.original:
-        reason += "; %s._write_item has been replaced by %s" % (writer.__name__, _name(current))
-    info["reason"] = reason
-    info["hook_decision"] = writer_fix.last_decision()  # what the hook itself decided at import
+    megatron = rows[0]
+    # megatron-core's row, also at the top level under the names scripts already read.
+    info.update(
+        megatron_core=megatron["version"],
+        megatron_core_source=megatron["version_source"],
+        writer_imported=megatron["imported"],
+        torch_write_item=megatron["torch_write_item"],
+        needed=megatron["needed"],
+        applied=megatron["applied"],
+        reason=megatron["reason"],
+        missing=(megatron["missing"] or "").split(".")[0] or None,
+        hook_decision=megatron["hook_decision"],
+    )
     info["advice"] = _advice(info, finder)
+    info["writers"] = rows
     return info
 
 
@@ -217,13 +253,25 @@ def _advice(info: Dict[str, Any], finder: Any) -> Optional[str]:
     return "the startup hook did not run in this interpreter; call %s" % alternative
 
 
+def relevant_writers(info: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The writers ``check`` answers for: megatron-core's always (installed or not), and each
+    other writer that imported here. One that cannot be imported cannot save either."""
+    rows = info.get("writers") or []
+    return rows[:1] + [row for row in rows[1:] if row["imported"]]
+
+
 def check(info: Dict[str, Any]) -> Tuple[int, str]:
-    """``mcore-autopatch check``: exit code and its one line."""
-    if info["applied"]:
-        return ACTIVE_OR_NOT_NEEDED, "ok: fix active (%s)" % info["reason"]
-    if info["needed"] is False:
-        return ACTIVE_OR_NOT_NEEDED, "ok: fix not needed (%s)" % info["reason"]
-    if info["needed"] is True:
-        detail = "%s (%s)" % (info["advice"], info["reason"]) if info["advice"] else info["reason"]
+    """``mcore-autopatch check``: exit code and its one line, over every installed writer."""
+    rows = relevant_writers(info)
+    failing = [row for row in rows if row["needed"] is True and not row["applied"]]
+    if failing:
+        reasons = "; ".join(row["reason"] for row in failing)
+        detail = "%s (%s)" % (info["advice"], reasons) if info["advice"] else reasons
         return NEEDED_NOT_ACTIVE, "FAIL: fix needed but not active in this interpreter: %s" % detail
-    return CANNOT_TELL, "UNKNOWN: cannot tell whether the fix is needed: %s" % info["reason"]
+    unknown = [row for row in rows if row["needed"] is None and not row["applied"]]
+    if unknown:
+        return CANNOT_TELL, "UNKNOWN: cannot tell whether the fix is needed: %s" % "; ".join(
+            row["reason"] for row in unknown
+        )
+    parts = ["fix %s (%s)" % ("active" if row["applied"] else "not needed", row["reason"]) for row in rows]
+    return ACTIVE_OR_NOT_NEEDED, "ok: " + "; ".join(parts)

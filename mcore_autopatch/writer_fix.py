@@ -1,17 +1,18 @@
-"""The fix: rebind the writer module's ``_write_item`` global to a safe caller of torch's.
+"""The fix: rebind a writer module's ``_write_item`` global to a safe caller of torch's.
 
-megatron-core's ``FileSystemWriterAsync.write_preloaded_data`` looks ``_write_item`` up in
-its module's globals at call time, so rebinding that one name is the narrowest fix: no
-megatron or torch function is re-implemented, the class and its methods stay as they are,
-and forked write workers inherit the rebinding. The safe caller adds only what a call
+The known writers (``mcore_autopatch.writers``: megatron-core's and nvidia-resiliency-ext's
+``FileSystemWriterAsync.write_preloaded_data``) look ``_write_item`` up in their module's
+globals at call time, so rebinding that one name is the narrowest fix: no megatron, nvrx or
+torch function is re-implemented, the class and its methods stay as they are, and forked
+write workers inherit the rebinding. The safe caller adds only what a call
 lacks, judged per call: a default ``_StorageWriterTransforms()`` in front of the legacy
 four-argument call ``(stream, data, write_item, storage_key)``, and
 ``serialization_format=SerializationFormat.TORCH_SAVE`` by keyword when it was passed
 neither by position nor by keyword. A call that is already complete (a job's own shim,
 megatron-core 0.13+ under ``force``) passes through unchanged.
 
-The callbacks below are what ``mcore_autopatch.importhook`` runs when megatron-core's
-modules execute; they never raise.
+The callbacks below are what ``mcore_autopatch.importhook`` runs when a writer module (or a
+module that imports one) executes; they never raise.
 """
 
 import sys
@@ -21,7 +22,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import mcore_autopatch
-from mcore_autopatch import policy
+from mcore_autopatch import policy, writers
 from mcore_autopatch._log import logger
 
 # Set on the safe caller; its value is our version. Checked instead of isinstance, so a
@@ -31,7 +32,15 @@ TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 
 _lock = threading.Lock()  # guards the rebinding only; nothing is imported under it
 _seen: "weakref.WeakSet[ModuleType]" = weakref.WeakSet()  # writer modules we have handled
-_state: Dict[str, Any] = {"logged": False, "mode_warned": False, "warned": set(), "last": None}
+
+
+def _fresh_state() -> Dict[str, Any]:
+    # logged: writer modules whose first decision was logged; warned: reasons warned about;
+    # last: what the hook decided when each writer module last executed, by module name.
+    return {"logged": set(), "mode_warned": False, "warned": set(), "last": {}}
+
+
+_state = _fresh_state()
 
 
 def is_safe_write_item(obj: object) -> bool:
@@ -110,10 +119,15 @@ class Evaluation(NamedTuple):
     fs: Optional[ModuleType] = None
     original: Optional[Callable[..., Any]] = None  # torch's own _write_item
     signature: Optional[policy.WriteItemSignature] = None
+    call: Optional[policy.CallEvidence] = None  # what the writer's code shows of its call
 
 
 def evaluate(writer: ModuleType, mode: str) -> Evaluation:
-    """Read torch's signature and megatron-core's version and decide, changing nothing."""
+    """Read torch's signature, the writer's version and its own call, and decide, changing nothing."""
+    known = writers.for_module(writer.__name__)
+    if known is None:
+        unknown = "%s is not a writer mcore-autopatch knows; not patching" % writer.__name__
+        return Evaluation(policy.Decision(None, unknown))
     fs = torch_filesystem()
     original = getattr(fs, "_write_item", None)
     if fs is None or original is None:
@@ -125,8 +139,10 @@ def evaluate(writer: ModuleType, mode: str) -> Evaluation:
             policy.Decision(None, "%s has no _write_item global (an upstream rewrite?); not patching" % writer.__name__)
         )
     signature = policy.read_signature(original)
-    decision = policy.decide(mode, policy.megatron_core_version(), signature, torch_version(), torch_has(fs))
-    return Evaluation(decision, fs, original, signature)
+    call = policy.read_call(writer)
+    version = policy.writer_version(known)
+    decision = policy.decide(mode, version, signature, torch_version(), torch_has(fs), known, call)
+    return Evaluation(decision, fs, original, signature, call)
 
 
 def apply(writer: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
@@ -171,40 +187,39 @@ def on_writer_executed(writer: ModuleType) -> None:
             return
         _seen.add(writer)
         decision, applied = apply(writer, mode)
-        _state["last"] = {"needed": decision.needed, "applied": applied, "reason": decision.reason}
-        _log_decision(decision, applied)
+        _state["last"][writer.__name__] = {"needed": decision.needed, "applied": applied, "reason": decision.reason}
+        _log_decision(writer.__name__, decision, applied)
     except Exception:
         logger.warning("checking %s failed; it is left unchanged", getattr(writer, "__name__", writer), exc_info=True)
 
 
 def on_importer_executed(importer: ModuleType) -> None:
-    """importhook callback: ``megatron.core.dist_checkpointing.strategies.torch`` has executed.
+    """importhook callback: a module that imports a writer module at its top has executed
+    (``megatron.core.dist_checkpointing.strategies.torch``).
 
-    It imports the writer module; if our finder did not see that import
-    (another finder ahead of ours loaded it), fix it now: the rebinding works at any time
-    before a save, since ``_write_item`` is looked up when the writer runs.
+    If our finder did not see the writer's import (another finder ahead of ours loaded it),
+    fix it now: the rebinding works at any time before a save, since ``_write_item`` is
+    looked up when the writer runs.
     """
-    writer = sys.modules.get(mcore_autopatch.WRITER_MODULE)
-    if writer is None or writer in _seen:
-        return
-    loader = getattr(getattr(writer, "__spec__", None), "loader", None)
-    logger.warning(
-        "%s was loaded without mcore_autopatch's finder (by %r); checking it now",
-        mcore_autopatch.WRITER_MODULE,
-        loader,
-    )
-    on_writer_executed(writer)
+    for known in writers.writers_imported_by(importer.__name__):
+        writer = sys.modules.get(known.module)
+        if writer is None or writer in _seen:
+            continue
+        loader = getattr(getattr(writer, "__spec__", None), "loader", None)
+        logger.warning("%s was loaded without mcore_autopatch's finder (by %r); checking it now", known.module, loader)
+        on_writer_executed(writer)
 
 
-def last_decision() -> Optional[Dict[str, Any]]:
-    """What the hook decided when the writer module last executed in this process (or None)."""
-    last = _state["last"]
+def last_decision(module: str = mcore_autopatch.WRITER_MODULE) -> Optional[Dict[str, Any]]:
+    """What the hook decided when ``module`` (megatron-core's writer by default) last executed
+    in this process, or None."""
+    last = _state["last"].get(module)
     return dict(last) if last else None
 
 
-def _log_decision(decision: policy.Decision, applied: bool) -> None:
-    first = not _state["logged"]
-    _state["logged"] = True
+def _log_decision(module: str, decision: policy.Decision, applied: bool) -> None:
+    first = module not in _state["logged"]
+    _state["logged"].add(module)
     if decision.needed is not False and not applied:
         if decision.reason not in _state["warned"]:  # once per process per reason
             _state["warned"].add(decision.reason)

@@ -75,7 +75,7 @@ class FakeTorch:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTorch]:
     """FAKE torch modules in ``sys.modules`` for one test; the real entries come back after."""
-    monkeypatch.setattr(writer_fix, "_state", {"logged": False, "mode_warned": False, "warned": set(), "last": None})
+    monkeypatch.setattr(writer_fix, "_state", writer_fix._fresh_state())
     monkeypatch.delenv("MCORE_AUTOPATCH", raising=False)
     yield FakeTorch(monkeypatch)
     del fake_torch.FAKE_CALLS[:]
@@ -565,10 +565,10 @@ def test_on_writer_executed_never_raises_when_evaluation_breaks(fake, monkeypatc
     """A failure inside the decision is logged; the import that triggered it goes on."""
     fake.install("2.8")
 
-    def fake_broken_version() -> None:
+    def fake_broken_version(writer: object) -> None:
         raise RuntimeError("fake: metadata reader exploded")
 
-    monkeypatch.setattr(policy, "megatron_core_version", fake_broken_version)
+    monkeypatch.setattr(policy, "writer_version", fake_broken_version)
     writer = fake.writer()
     writer_fix.on_writer_executed(writer)
     assert writer._write_item is fake.fs._write_item

@@ -1,0 +1,55 @@
+"""The writers mcore-autopatch knows: modules that call torch's ``_write_item`` themselves.
+
+Each entry says where the writer lives, where its version comes from, and from which
+release it passes what torch asks for. The mechanism (watch the module, read torch's
+signature and the writer's own call, rebind the module's ``_write_item`` global) is the same
+for every entry. Adding a writer is one entry here, its module name in the startup watch
+list of ``mcore_autopatch/__init__.py`` (a test checks that the two agree), and its tests.
+"""
+
+from typing import Dict, NamedTuple, Optional, Tuple
+
+
+class KnownWriter(NamedTuple):
+    name: str  # the distribution as users know it, used in every message
+    module: str  # the module whose ``_write_item`` global is rebound
+    distributions: Tuple[str, ...]  # metadata names the version is read from
+    package_info: Optional[str]  # a module with ``__version__``, for source trees without metadata
+    fixed_in: Tuple[int, ...]  # from this release the writer passes serialization_format itself
+    passes_transforms_from: Tuple[int, ...]  # from this release it passes the writer's transforms
+    # Modules that import ``module`` at their top in every release. When one has executed,
+    # the writer is looked at again, in case a finder ahead of ours loaded it without us.
+    importers: Tuple[str, ...] = ()
+
+
+MEGATRON_CORE = KnownWriter(
+    name="megatron-core",
+    module="megatron.core.dist_checkpointing.strategies.filesystem_async",
+    distributions=("megatron-core", "megatron_core"),
+    package_info="megatron.core.package_info",
+    fixed_in=(0, 13),
+    passes_transforms_from=(0, 12),
+    importers=("megatron.core.dist_checkpointing.strategies.torch",),
+)
+
+# 0.3.0 carries megatron-core 0.12's call; 0.4.0 reads torch's signature. 0.1.x and 0.2.x
+# have no such module, so there is nothing to watch for them.
+NVIDIA_RESILIENCY_EXT = KnownWriter(
+    name="nvidia-resiliency-ext",
+    module="nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
+    distributions=("nvidia-resiliency-ext", "nvidia_resiliency_ext"),
+    package_info=None,
+    fixed_in=(0, 4),
+    passes_transforms_from=(0, 3),
+)
+
+KNOWN_WRITERS: Tuple[KnownWriter, ...] = (MEGATRON_CORE, NVIDIA_RESILIENCY_EXT)
+BY_MODULE: Dict[str, KnownWriter] = {w.module: w for w in KNOWN_WRITERS}
+
+
+def writers_imported_by(importer: str) -> Tuple[KnownWriter, ...]:
+    return tuple(w for w in KNOWN_WRITERS if importer in w.importers)
+
+
+def for_module(name: str) -> Optional[KnownWriter]:
+    return BY_MODULE.get(name)
