@@ -1,10 +1,12 @@
-"""Shared fixtures: the built wheel, the venv it is installed in, megatron-core folders.
+"""Shared fixtures: the built wheel, the venvs it is installed in, megatron-core folders.
 
 The environments come from ``tools/envs.py`` (``make test`` builds them first). The wheel
 is built once per run, on the xdist controller, from this checkout, and installed with pip
-into ``.cache/e2e-venv`` beside torch 2.13.0: end-to-end tests then run real saves in
-subprocesses of that venv, with one megatron-core release on ``PYTHONPATH``. Those
-subprocesses never import mcore_autopatch themselves; only the installed ``.pth`` does.
+into this run's hard-link clones of the cached venvs: ``.cache/e2e-venv`` (torch 2.13.0,
+the CPU wheel) and one venv per real torch release of ``envs.TORCH_MATRIX`` (CUDA builds
+from the registry). End-to-end tests then run real saves in subprocesses of those venvs,
+with one megatron-core release on ``PYTHONPATH``. Those subprocesses never import
+mcore_autopatch themselves; only the installed ``.pth`` does.
 """
 
 import json
@@ -12,7 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
@@ -21,12 +24,22 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import envs  # noqa: E402
 
 JOB = os.path.join(ROOT, "examples", "checkpoint_job.py")
+# Runs the job unchanged, then reports `mcore-autopatch status` of that same process.
+JOB_THEN_STATUS = os.path.join(ROOT, "tests", "import_scripts", "job_then_status.py")
+STATUS_PREFIX = "MCORE_AUTOPATCH_STATUS "
 WHEEL_ENV = "MCORE_AUTOPATCH_TEST_WHEEL"
 VENV_ENV = "MCORE_AUTOPATCH_TEST_VENV"
+TORCH_VENVS_ENV = "MCORE_AUTOPATCH_TEST_TORCH_VENVS"  # JSON: {torch release: venv python}
+SEED_VENV_ENV = "MCORE_AUTOPATCH_TEST_SEED_VENV"
+RUN_DIR_ENV = "MCORE_AUTOPATCH_TEST_RUN_DIR"
+TORCH_SELECTION_ENV = "MCORE_AUTOPATCH_TEST_TORCH"
+CPU_TORCH = "2.13.0"  # the e2e venv's torch (the CPU wheel on this machine's disk)
+# Every torch release the end-to-end matrix runs on, oldest first.
+TORCH_RELEASES = sorted([*envs.TORCH_MATRIX, CPU_TORCH], key=lambda r: tuple(int(p) for p in r.split(".")))
 AFFECTED = ["0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.12.1", "0.12.2", "0.12.3"]
 FIXED_SAVING = ["0.13.0", "0.13.1"]
 FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
-REFERENCE = "0.13.1"  # native serialization_format support: the byte oracle
+REFERENCE = envs.REFERENCE_MEGATRON  # native serialization_format support: the byte oracle
 
 
 COMPAT_RESULTS = os.path.join(envs.CACHE, "compat-results.json")
@@ -45,10 +58,32 @@ def pytest_configure(config: Any) -> None:
         return  # environments missing: e2e tests skip with a hint
     run_dir = os.path.join(envs.CACHE, "runs", str(os.getpid()))
     wheel = envs.wheel(run_dir)
-    py = install_wheel(envs.clone_venv(envs.E2E, os.path.join(run_dir, "venv")), wheel)
+    # This run's clones of every cached venv, each with the wheel installed by pip.
+    sources = {CPU_TORCH: envs.E2E}
+    sources.update({r: envs.torch_venv_folder(r) for r in selected_torch_releases() if envs.torch_ready(r)})
+    if envs.seed_ready() and envs.SEED_TORCH in selected_torch_releases():
+        sources["seed"] = envs.SEED
+
+    def clone_with_wheel(name: str) -> str:
+        return install_wheel(envs.clone_venv(sources[name], os.path.join(run_dir, "venv-" + name)), wheel)
+
+    with ThreadPoolExecutor(2) as pool:
+        pythons = dict(zip(sources, pool.map(clone_with_wheel, sources)))
     os.environ[WHEEL_ENV] = wheel  # inherited by xdist workers
-    os.environ[VENV_ENV] = py
+    os.environ[VENV_ENV] = pythons.pop(CPU_TORCH)
+    os.environ[SEED_VENV_ENV] = pythons.pop("seed", "")
+    os.environ[TORCH_VENVS_ENV] = json.dumps(pythons)
+    os.environ[RUN_DIR_ENV] = run_dir
     config._mcore_autopatch_run_dir = run_dir
+
+
+def selected_torch_releases() -> List[str]:
+    """The real torch releases this run covers: all of envs.TORCH_MATRIX, or those named in
+    ``MCORE_AUTOPATCH_TEST_TORCH`` (``make test-quick`` names none of them: 2.13.0 only)."""
+    chosen = os.environ.get(TORCH_SELECTION_ENV)
+    if chosen is None:
+        return list(envs.TORCH_MATRIX)
+    return [r for r in envs.TORCH_MATRIX if r in chosen.replace(",", " ").split()]
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -66,18 +101,28 @@ def install_wheel(python: str, wheel: str) -> str:
 
 
 # --- the compatibility table -----------------------------------------------------------
-# A test marked ``@pytest.mark.compat(version, "what it verifies")`` contributes a cell to
-# README's compatibility table (tools/compat_table.py renders it from the last full run).
+# A test marked ``@pytest.mark.compat(version, "what it verifies")`` contributes to the cell
+# (megatron-core ``version``, torch release) of README's compatibility table; the torch
+# release is the test's ``torch_release`` parameter, or 2.13.0 (the e2e venv) without one.
+# tools/compat_table.py renders the table from the last full run.
 
 
-def compat_params(versions: List[str], what: str) -> List[Any]:
-    """``versions`` as parameters, each marked as verifying ``what`` for that release."""
-    return [pytest.param(v, marks=pytest.mark.compat(v, what), id=v) for v in versions]
+def compat_params(versions: List[str], what: str, writer: str = "megatron-core") -> List[Any]:
+    """``versions`` as parameters, each marked as verifying ``what`` for that release (of
+    ``writer``: its rows are labelled "name version" unless it is megatron-core)."""
+    label = "%s" if writer == "megatron-core" else writer + " %s"
+    return [pytest.param(v, marks=pytest.mark.compat(label % v, what), id=v) for v in versions]
+
+
+def torch_params(releases: Optional[List[str]] = None) -> List[Any]:
+    return [pytest.param(r, id="torch" + r) for r in (releases or TORCH_RELEASES)]
 
 
 def pytest_runtest_setup(item: Any) -> None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
     for mark in item.iter_markers("compat"):
-        item.user_properties.append(("compat", list(mark.args)))
+        version, what = mark.args
+        item.user_properties.append(("compat", [version, params.get("torch_release", CPU_TORCH), what]))
 
 
 def pytest_runtest_logreport(report: Any) -> None:
@@ -85,18 +130,25 @@ def pytest_runtest_logreport(report: Any) -> None:
         return
     for name, value in getattr(report, "user_properties", ()):
         if name == "compat":
-            version, what = value
-            _compat.setdefault(version, {}).setdefault(what, []).append(report.outcome)
+            version, torch, what = value
+            _compat.setdefault(version, {}).setdefault(torch, {}).setdefault(what, []).append(report.outcome)
+
+
+def _verdict(outcomes: List[str]) -> str:
+    if "failed" in outcomes:
+        return "failed"
+    return "passed" if all(o == "passed" for o in outcomes) else "skipped"
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    if _is_worker(session.config) or not _compat:
+    option = session.config.option
+    if _is_worker(session.config) or not _compat or option.keyword or option.markexpr:
+        return  # only a full run (``make test``) rewrites the table's results
+    if TORCH_SELECTION_ENV in os.environ:
         return
     summary = {
-        version: {
-            what: "passed" if all(o == "passed" for o in outcomes) else "failed" for what, outcomes in rows.items()
-        }
-        for version, rows in _compat.items()
+        version: {torch: {what: _verdict(o) for what, o in checks.items()} for torch, checks in by_torch.items()}
+        for version, by_torch in _compat.items()
     }
     with open(COMPAT_RESULTS, "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
@@ -114,6 +166,24 @@ def wheel_path() -> str:
 def e2e_python(wheel_path: str) -> str:
     """This run's venv python: torch 2.13.0 and the wheel installed by pip."""
     return os.environ[VENV_ENV]
+
+
+@pytest.fixture(scope="session")
+def torch_python(wheel_path: str) -> Callable[[str], str]:
+    """``torch_python(release)``: this run's venv python with real torch ``release`` and the
+    wheel installed by pip (2.13.0: the e2e venv)."""
+    venvs = json.loads(os.environ.get(TORCH_VENVS_ENV) or "{}")
+    venvs[CPU_TORCH] = os.environ[VENV_ENV]
+
+    def get(release: str) -> str:
+        if release not in venvs:
+            if release not in selected_torch_releases():
+                chosen = os.environ[TORCH_SELECTION_ENV]
+                pytest.skip("torch %s not selected for this run (%s=%r)" % (release, TORCH_SELECTION_ENV, chosen))
+            pytest.skip("torch %s venv missing: run `make test-env` (python3 tools/envs.py torch)" % release)
+        return str(venvs[release])
+
+    return get
 
 
 @pytest.fixture
@@ -167,8 +237,14 @@ def last_json(proc: subprocess.CompletedProcess) -> Dict[str, Any]:
 
 
 @pytest.fixture
-def run_job(e2e_python: str, tmp_path: Any):
-    """Run examples/checkpoint_job.py with one megatron-core release; return its JSON result."""
+def run_job(torch_python: Callable[[str], str], tmp_path: Any):
+    """Run examples/checkpoint_job.py with one megatron-core release; return its JSON result.
+
+    ``torch`` picks the venv (default: torch 2.13.0); ``tree`` puts another megatron folder
+    than release ``version``'s on PYTHONPATH. With ``status=True`` the job runs
+    through ``tests/import_scripts/job_then_status.py``, which adds ``result["status"]``:
+    ``mcore-autopatch status`` of the very process that saved, taken after the job ended.
+    """
 
     def run(
         version: str,
@@ -176,11 +252,20 @@ def run_job(e2e_python: str, tmp_path: Any):
         env: Optional[Dict[str, str]] = None,
         timeout: float = 240,
         folder: Optional[str] = None,
+        torch: str = CPU_TORCH,
+        status: bool = False,
+        tree: Optional[str] = None,
     ) -> Dict[str, Any]:
-        environment = clean_env(PYTHONPATH=mcore_folder(version), **(env or {}))
+        python = torch_python(torch)
+        environment = clean_env(PYTHONPATH=tree or mcore_folder(version), **(env or {}))
         target = folder or str(tmp_path / ("ckpt-%s-%d" % (version, len(os.listdir(tmp_path)))))
-        proc = run_python(e2e_python, [JOB, "--json", "--dir", target, *args], environment, timeout=timeout)
+        script = [JOB_THEN_STATUS, JOB] if status else [JOB]
+        proc = run_python(python, [*script, "--json", "--dir", target, *args], environment, timeout=timeout)
         result = last_json(proc)
+        if status:
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(STATUS_PREFIX)]
+            assert lines, "no status after the job\nstdout:\n%s\nstderr:\n%s" % (proc.stdout, proc.stderr[-4000:])
+            result["status"] = json.loads(lines[-1][len(STATUS_PREFIX) :])
         result["stderr"] = proc.stderr
         result["returncode"] = proc.returncode
         return result
@@ -189,22 +274,44 @@ def run_job(e2e_python: str, tmp_path: Any):
 
 
 @pytest.fixture(scope="session")
-def reference_digests(e2e_python: str, tmp_path_factory: Any) -> Any:
-    """``.distcp`` digests native megatron-core 0.13.1 writes, per (state, thread count)."""
+def reference_digests(torch_python: Callable[[str], str]) -> Any:
+    """``.distcp`` digests native megatron-core 0.13.1 writes, per (state, thread count, torch).
+
+    Shared by the xdist workers of a run through a file per key in the run folder, written
+    under a lock, so each oracle save runs once per run.
+    """
+    run_dir = os.environ[RUN_DIR_ENV]
     cache: Dict[Any, Dict[str, str]] = {}
 
-    def get(state: str = "basic", thread_count: Optional[int] = None) -> Dict[str, str]:
-        key = (state, thread_count)
+    def get(state: str = "basic", thread_count: Optional[int] = None, torch: str = CPU_TORCH) -> Dict[str, str]:
+        key = (state, thread_count, torch)
         if key not in cache:
-            folder = str(tmp_path_factory.mktemp("reference"))
-            args = [JOB, "--json", "--no-load", "--dir", folder, "--state", state]
-            if thread_count is not None:
-                args += ["--thread-count", str(thread_count)]
-            # MCORE_AUTOPATCH=0: the oracle is megatron-core's own writer, untouched.
-            proc = run_python(e2e_python, args, clean_env(PYTHONPATH=mcore_folder(REFERENCE), MCORE_AUTOPATCH="0"))
-            result = last_json(proc)
-            assert result["ok"], result
-            cache[key] = result["files"]
+            cache[key] = _shared_reference(run_dir, torch_python(torch), *key)
         return cache[key]
 
     return get
+
+
+def _shared_reference(run_dir: str, python: str, state: str, thread_count: Optional[int], torch: str) -> Any:
+    import fcntl
+    import tempfile
+
+    path = os.path.join(run_dir, "reference-%s-%s-torch%s.json" % (state, thread_count, torch))
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the same oracle
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        folder = tempfile.mkdtemp(prefix="reference-", dir=run_dir)
+        args = [JOB, "--json", "--no-load", "--dir", folder, "--state", state]
+        if thread_count is not None:
+            args += ["--thread-count", str(thread_count)]
+        # MCORE_AUTOPATCH=0: the oracle is megatron-core's own writer, untouched.
+        proc = run_python(python, args, clean_env(PYTHONPATH=mcore_folder(REFERENCE), MCORE_AUTOPATCH="0"))
+        result = last_json(proc)
+        assert result["ok"], result
+        assert result["write_item_replaced"] is False
+        with open(path + ".tmp", "w") as f:
+            json.dump(result["files"], f)
+        os.replace(path + ".tmp", path)
+        return result["files"]

@@ -1,46 +1,196 @@
-"""Real megatron-core saves and loads with the wheel installed, across every release.
+"""Real megatron-core saves and loads with the wheel installed: every release on every real torch.
 
-Each case runs examples/checkpoint_job.py in a subprocess of the e2e venv (torch 2.13.0,
-our wheel from pip), with one megatron-core release on PYTHONPATH. The job never imports
-mcore_autopatch. The fixed save must load back equal and write `.distcp` files
-byte-identical to native megatron-core 0.13.1's; with MCORE_AUTOPATCH=0 the same job must
-fail the way the bug fails.
+Each case runs examples/checkpoint_job.py in a subprocess of one torch venv (2.13.0 CPU,
+or a real CUDA build of 2.6.0, 2.7.1, 2.8.0, 2.9.0, 2.14.1 from the registry, saving on
+gloo), with the wheel installed by pip and one megatron-core release on PYTHONPATH. The job
+never imports mcore_autopatch. Where a release needs the fix on that torch, the fixed save
+must load back equal and write `.distcp` files byte-identical to native megatron-core
+0.13.1's on the same torch, and the same job with MCORE_AUTOPATCH=0 must fail the way that
+torch fails. Where nothing is missing (everything on 2.6.0, 0.12.x on 2.7.x), both runs
+must save natively with the writer untouched. ``status`` is read from the process that saved.
 """
 
 import json
+from typing import Optional, Tuple
 
 import pytest
-from conftest import AFFECTED, FIXED_IMPORT_ONLY, FIXED_SAVING, clean_env, compat_params, mcore_folder, run_python
+from conftest import (
+    AFFECTED,
+    FIXED_IMPORT_ONLY,
+    FIXED_SAVING,
+    clean_env,
+    compat_params,
+    mcore_folder,
+    run_python,
+    torch_params,
+)
 
 pytestmark = pytest.mark.e2e
 
+MISSING_STORAGE_KEY = "_write_item() missing 1 required positional argument: 'storage_key'"
+MISSING_FORMAT = "_write_item() missing 1 required positional argument: 'serialization_format'"
+MISSING_TWO = "_write_item() missing 2 required positional arguments: 'storage_key' and 'serialization_format'"
 
-def expected_error(version: str) -> str:
-    if version.startswith("0.12."):
-        return "_write_item() missing 1 required positional argument: 'serialization_format'"
-    return "_write_item() missing 2 required positional arguments: 'storage_key' and 'serialization_format'"
+
+def release(version: str) -> Tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:3])
+
+
+def error_without_fix(version: str, torch: str) -> Optional[str]:
+    """The TypeError megatron-core ``version`` hits on real ``torch`` unfixed; None: it saves.
+
+    torch ≤ 2.6 takes the four legacy arguments; 2.7 puts ``transforms`` first (0.12 passes
+    it); 2.8 adds a required ``serialization_format`` (0.13 passes it).
+    """
+    t, m = release(torch), release(version)
+    if t < (2, 7) or m >= (0, 13):
+        return None
+    if t < (2, 8):
+        return MISSING_STORAGE_KEY if m < (0, 12) else None
+    return MISSING_TWO if m < (0, 12) else MISSING_FORMAT
+
+
+def expected_decision(version: str, torch: str, torch_label: str) -> Tuple[bool, str]:
+    """(needed, reason) that status must give for megatron-core ``version`` on ``torch``."""
+    t, m = release(torch), release(version)
+    label = "megatron-core %s" % version
+    if t < (2, 7):
+        signature = "_write_item(stream, data, write_item, storage_key)"
+        return False, "torch %s's %s is called correctly by every megatron-core release" % (torch_label, signature)
+    if m >= (0, 13):
+        return False, "%s passes serialization_format itself" % label
+    missing = []
+    if m < (0, 12):
+        missing.append("transforms")
+    if t >= (2, 8):
+        missing.append("serialization_format")
+    if not missing:
+        return False, "%s passes everything torch %s's _write_item requires" % (label, torch_label)
+    return True, "%s calls _write_item without %s; torch %s requires %s" % (
+        label,
+        " and ".join(missing),
+        torch_label,
+        "it" if len(missing) == 1 else "them",
+    )
+
+
+def assert_status(status: dict, version: str, torch: str, torch_label: str, applied: bool) -> None:
+    needed, reason = expected_decision(version, torch, torch_label)
+    assert status["megatron_core"] == version
+    assert status["torch"] == torch_label
+    assert (status["needed"], status["applied"]) == (needed, applied), status
+    assert status["reason"] == reason
+    assert status["hook_decision"] == {"needed": needed, "applied": applied, "reason": reason}
 
 
 @pytest.mark.parametrize(
-    "version", compat_params(AFFECTED, "async save + load round trip, `.distcp` bytes = native 0.13.1")
+    "version", compat_params(AFFECTED, "with the wheel: round trip equal, `.distcp` bytes = native 0.13.1, status")
 )
-def test_affected_release_saves_and_loads_with_the_wheel(run_job, reference_digests, version):
-    result = run_job(version)
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_affected_release_saves_and_loads_with_the_wheel(run_job, reference_digests, torch_release, version):
+    result = run_job(version, torch=torch_release, status=True)
     assert result["ok"], result.get("traceback") or result
-    assert result["write_item_replaced"] is True
+    assert result["torch"].split("+")[0] == torch_release
     assert result["loaded_equal"] is True
     assert result["metadata_written"] is True
-    assert result["files"] == reference_digests("basic")
+    assert result["files"] == reference_digests("basic", torch=torch_release)
+    needs_fix = error_without_fix(version, torch_release) is not None
+    assert result["write_item_replaced"] is needs_fix  # never patched where nothing is missing
+    assert_status(result["status"], version, torch_release, result["torch"], applied=needs_fix)
 
 
-@pytest.mark.parametrize("version", compat_params(AFFECTED, "fails as reported with `MCORE_AUTOPATCH=0`"))
-def test_affected_release_fails_without_the_fix(run_job, version):
-    result = run_job(version, env={"MCORE_AUTOPATCH": "0"})
-    assert not result["ok"]
+@pytest.mark.parametrize(
+    "version", compat_params(AFFECTED, "`MCORE_AUTOPATCH=0`: fails as that torch fails, or saves natively")
+)
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_affected_release_without_the_fix_fails_as_that_torch_fails(run_job, reference_digests, torch_release, version):
+    result = run_job(version, "--no-load", torch=torch_release, env={"MCORE_AUTOPATCH": "0"})
     assert result["write_item_replaced"] is False
-    assert result["error"].startswith("RuntimeError: Worker failure")
-    assert expected_error(version) in result["error"]
+    error = error_without_fix(version, torch_release)
+    if error is None:  # nothing is missing on this torch: megatron-core's own save works
+        assert result["ok"], result.get("traceback") or result
+        assert result["files"] == reference_digests("basic", torch=torch_release)
+        return
+    assert not result["ok"]
+    assert result["error"].startswith("RuntimeError: Worker failure"), result["error"]
+    assert error in result["error"]
     assert result["metadata_written"] is False  # no checkpoint that looks complete
+
+
+@pytest.mark.parametrize("version", compat_params(FIXED_SAVING, "left untouched; saves natively; status"))
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_fixed_release_is_left_untouched_and_saves(run_job, reference_digests, torch_release, version):
+    result = run_job(version, torch=torch_release, status=True)
+    assert result["ok"], result.get("traceback") or result
+    assert result["write_item_replaced"] is False
+    assert result["files"] == reference_digests("basic", torch=torch_release)
+    assert_status(result["status"], version, torch_release, result["torch"], applied=False)
+
+
+# --- the command line on each torch ---------------------------------------------------------
+
+
+def cli(python: str, args: list, version: str, **env: str):
+    return run_python(python, ["-m", "mcore_autopatch", *args], clean_env(PYTHONPATH=mcore_folder(version), **env))
+
+
+@pytest.mark.parametrize("version", compat_params(["0.12.1"], "`status --json` and `check` from the command line"))
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_status_json_and_check_on_each_torch(torch_python, torch_release, version):
+    python = torch_python(torch_release)
+    proc = cli(python, ["status", "--json"], version)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    needs_fix = error_without_fix(version, torch_release) is not None
+    assert info["hook_installed"] is True
+    assert_status(info, version, torch_release, info["torch"], applied=needs_fix)
+    check = cli(python, ["check"], version)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.startswith("ok: fix %s (" % ("active" if needs_fix else "not needed"))
+
+
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_check_with_the_fix_off_fails_exactly_where_a_save_would(torch_python, torch_release):
+    """The release that breaks on this torch (0.9.0 from 2.7, 0.12.1 from 2.8) fails the gate
+    with MCORE_AUTOPATCH=0; on torch 2.6.0 nothing breaks and the gate passes."""
+    version = "0.9.0" if release(torch_release) < (2, 8) else "0.12.1"
+    check = cli(torch_python(torch_release), ["check"], version, MCORE_AUTOPATCH="0")
+    if error_without_fix(version, torch_release) is None:
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert check.stdout.startswith("ok: fix not needed (")
+    else:
+        assert check.returncode == 1, check.stdout + check.stderr
+        assert check.stdout.startswith("FAIL: fix needed but not active in this interpreter: MCORE_AUTOPATCH=0")
+
+
+# --- the fakes of the unit tests are the real signatures --------------------------------------
+
+SIGNATURE = (
+    "import inspect, json, torch.distributed.checkpoint.filesystem as fs; "
+    "print(json.dumps([[p.name, p.kind.name, p.default is p.empty, repr(p.default)] "
+    "for p in inspect.signature(fs._write_item).parameters.values()]))"
+)
+
+
+def parameters(function) -> list:
+    import inspect
+
+    params = inspect.signature(function).parameters.values()
+    return [[p.name, p.kind.name, p.default is p.empty, repr(p.default)] for p in params]
+
+
+@pytest.mark.parametrize("torch_release", torch_params())
+def test_fake_signatures_are_the_real_releases(torch_python, torch_release):
+    """tests/fakes' _write_item of each released generation has the real release's parameters."""
+    from fakes import fake_torch_write_items as fake
+
+    generation = "2.6" if release(torch_release) < (2, 7) else "2.7" if release(torch_release) < (2, 8) else "2.8"
+    proc = run_python(torch_python(torch_release), ["-c", SIGNATURE], clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == parameters(fake.FAKE_GENERATIONS[generation])
+
+
+# --- torch 2.13.0 only ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("version", compat_params(["0.9.0", "0.12.1"], "every dtype, a view, objects: bytes = native"))
@@ -52,14 +202,6 @@ def test_rich_state_round_trip_is_byte_identical_to_native_0_13_1(run_job, refer
     assert result["files"] == reference_digests("rich")
 
 
-@pytest.mark.parametrize("version", compat_params(FIXED_SAVING, "left untouched; saves natively"))
-def test_fixed_release_is_left_untouched_and_saves(run_job, reference_digests, version):
-    result = run_job(version)
-    assert result["ok"], result.get("traceback") or result
-    assert result["write_item_replaced"] is False
-    assert result["files"] == reference_digests("basic")
-
-
 def _status(e2e_python, version, **env):
     proc = run_python(
         e2e_python, ["-m", "mcore_autopatch", "status", "--json"], clean_env(PYTHONPATH=mcore_folder(version), **env)
@@ -68,22 +210,10 @@ def _status(e2e_python, version, **env):
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize(
-    "version", compat_params(FIXED_SAVING + FIXED_IMPORT_ONLY, "`status`: not needed, not applied")
-)
-def test_status_says_fixed_releases_need_nothing(e2e_python, version):
+@pytest.mark.parametrize("version", compat_params(FIXED_IMPORT_ONLY, "`status`: not needed, not applied"))
+def test_status_says_newer_releases_need_nothing(e2e_python, version):
+    """0.14+ no longer save on a CPU-only machine; status still reads them right."""
     info = _status(e2e_python, version)
     assert info["megatron_core"] == version
-    assert info["needed"] is False
-    assert info["applied"] is False
-    assert "passes serialization_format itself" in info["reason"]
-
-
-@pytest.mark.parametrize("version", ["0.9.0", "0.12.1"])
-def test_status_says_affected_releases_are_fixed(e2e_python, version):
-    info = _status(e2e_python, version)
-    assert info["hook_installed"] is True
-    assert info["needed"] is True
-    assert info["applied"] is True
-    missing = "serialization_format" if version == "0.12.1" else "transforms and serialization_format"
-    assert "megatron-core %s calls _write_item without %s" % (version, missing) in info["reason"]
+    assert (info["needed"], info["applied"]) == (False, False)
+    assert info["reason"] == "megatron-core %s passes serialization_format itself" % version

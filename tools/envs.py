@@ -2,15 +2,23 @@
 
 Standard library only; run with any Python 3.8+:
 
-    python3 tools/envs.py tools e2e mcore pythons   # what `make test` needs
+    python3 tools/envs.py                           # everything `make test` needs
+    python3 tools/envs.py tools e2e mcore           # only some of it (see TARGETS)
     python3 tools/envs.py demo                      # .venv for `make demo`
     python3 tools/envs.py wheel                     # dist/*.whl, built from this checkout
 
 Everything lands in ignored folders (.cache/, .venv/, dist/). Each environment gets a
 stamp file naming what was installed; a second run with the same spec does nothing, so a
-repeated `make test` starts in seconds. torch is always 2.13.0 (the CPU wheel that lies on
-these machines); megatron-core is installed with --no-deps, beside numpy, psutil and
-packaging, which is all its checkpointing code needs.
+repeated `make test` starts in seconds. What is built:
+
+* e2e: a venv with torch 2.13.0 (the CPU wheel that lies on these machines);
+* torch: one venv per real torch release of TORCH_MATRIX (CUDA builds from the registry,
+  with their nvidia-* dependencies; about 1 minute and 4-5 GB each after pruning);
+* mcore, nvrx: megatron-core and nvidia-resiliency-ext releases in --no-deps --target
+  folders, chosen per run with PYTHONPATH (beside numpy, psutil and packaging, which is all
+  their checkpointing code needs);
+* seed: torch 2.9.0 with megatron-core 0.12.1 installed into the venv, and Ray;
+* tools (pytest, ruff, build, uv) and small venvs for the other CPythons.
 """
 
 import glob
@@ -18,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import venv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +34,9 @@ CACHE = os.path.join(ROOT, ".cache")
 TOOLS = os.path.join(CACHE, "tools")
 E2E = os.path.join(CACHE, "e2e-venv")
 MCORE = os.path.join(CACHE, "mcore")
+TORCH_VENVS = os.path.join(CACHE, "torch")
+SEED = os.path.join(CACHE, "seed-stack")
+NVRX = os.path.join(CACHE, "nvrx")
 PYTHONS = os.path.join(CACHE, "pythons")
 DEMO = os.path.join(ROOT, ".venv")
 DIST = os.path.join(ROOT, "dist")
@@ -42,6 +54,29 @@ TOOL_REQUIREMENTS = [
     "packaging",
     "uv==0.13.9",  # tests/test_installers.py: `uv venv` and `uv pip install` of the wheel
 ]
+# Real torch releases the matrix also runs on, beside the 2.13.0 CPU wheel of the e2e venv:
+# CUDA builds from the registry (with their nvidia-* dependencies; they import and save on
+# gloo without a GPU). Each maps to its CUDA line: a release whose line already has a venv
+# starts from a hard-link clone of it, so nvidia-* files of the same version are stored once
+# and not downloaded again. 2.14.1 is the newest release this machine's pip constraint
+# admits (torch<=2.14.1); 2.15.0 is left out rather than lifting the machine's cap.
+TORCH_MATRIX = {
+    "2.6.0": "cu124",
+    "2.7.1": "cu126",
+    "2.8.0": "cu128",
+    "2.9.0": "cu128",
+    "2.14.1": "cu130",
+}
+# The seed report's stack (tests/test_e2e_seed_stack.py): megatron-core installed into a
+# torch 2.9.0 venv, with Ray.
+SEED_TORCH = "2.9.0"
+SEED_MEGATRON = "0.12.1"
+RAY = "ray==2.60.0"
+# nvidia-resiliency-ext: 0.2.1 has no async writer, 0.3.0 makes megatron-core 0.12's old call,
+# 0.4.1 reads torch's signature.
+NVRX_VERSIONS = ["0.2.1", "0.3.0", "0.4.1"]
+# Native serialization_format support: the byte oracle of the tests.
+REFERENCE_MEGATRON = "0.13.1"
 # Every megatron-core release the tests use: the affected range, the fixed releases, and
 # newer ones that are only imported (their save path needs CUDA).
 MEGATRON_VERSIONS = [
@@ -68,6 +103,10 @@ def log(message: str) -> None:
 
 def run(*cmd: str, **kwargs: object) -> None:
     subprocess.run(list(cmd), check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def pip_install(python: str, *args: str) -> None:
+    run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args)
 
 
 # Variables that would steer a child Python or a child rank: tests and benchmarks start
@@ -138,7 +177,7 @@ def make_venv(folder: str, packages: "list[str]", python: "str | None" = None, l
         run(python, "-m", "venv", folder)
     py = venv_python(folder)
     if packages:
-        run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages)
+        pip_install(py, *packages)
     _stamp(folder, spec)
     return py
 
@@ -149,6 +188,158 @@ def tools() -> str:
 
 def e2e() -> str:
     return make_venv(E2E, [TORCH, *MEGATRON_DEPS], label="(torch 2.13.0, numpy, psutil, packaging)")
+
+
+def torch_venv_folder(release: str) -> str:
+    return os.path.join(TORCH_VENVS, release)
+
+
+def _torch_packages(release: str) -> "list[str]":
+    return ["torch==%s" % release, *MEGATRON_DEPS]
+
+
+def _torch_installed(release: str) -> bool:
+    return _ready(torch_venv_folder(release), "default|%s" % " ".join(_torch_packages(release)))
+
+
+def torch_ready(release: str) -> bool:
+    """Whether the venv of torch ``release`` is built (installed and pruned)."""
+    return _torch_installed(release) and os.path.exists(os.path.join(torch_venv_folder(release), PRUNED))
+
+
+def torch_venv(release: str) -> str:
+    """The venv with real torch ``release`` (and megatron-core's few dependencies).
+
+    Installed by pip with its dependencies, as a user gets it; a sibling of the same CUDA line
+    is cloned first, so pip keeps the nvidia-* packages it already has. Then the nvidia
+    libraries that a real save never maps are removed (``prune_unmapped_nvidia_libraries``).
+    """
+    folder = torch_venv_folder(release)
+    packages = _torch_packages(release)
+    if not _torch_installed(release):
+        line = TORCH_MATRIX[release]
+        siblings = [r for r in TORCH_MATRIX if TORCH_MATRIX[r] == line and r != release and _torch_installed(r)]
+        sibling = siblings[0] if siblings else None
+        started = time.time()
+        if sibling is None:
+            make_venv(folder, packages, label="(torch %s, %s)" % (release, line))
+        else:
+            log("creating %s from a hard-link clone of torch %s (%s)" % (os.path.relpath(folder, ROOT), sibling, line))
+            py = clone_venv(torch_venv_folder(sibling), folder)
+            pip_install(py, *packages)
+            _stamp(folder, "default|%s" % " ".join(packages))
+        log("torch %s installed in %.0f s" % (release, time.time() - started))
+    prune_unmapped_nvidia_libraries(folder)
+    return venv_python(folder)
+
+
+def torch_matrix(releases: "list[str] | None" = None) -> None:
+    mcore([REFERENCE_MEGATRON])  # the pruning probe saves with it
+    for release in releases or list(TORCH_MATRIX):
+        torch_venv(release)
+
+
+# The probe: run a script and write every file mapped into the process when it exits.
+# Forked write workers map nothing their parent had not mapped already.
+MAPPED_PROBE = """
+import atexit, os, runpy, sys
+def record():
+    rows = [line.split(None, 5) for line in open("/proc/self/maps")]
+    with open(os.environ["ENVS_MAPPED_OUT"], "w") as f:
+        f.write("\\n".join(sorted({row[5].strip() for row in rows if len(row) == 6})))
+atexit.register(record)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+PRUNED = ".envs-pruned"
+
+
+def _probe_save(python: str, out: str) -> "set[str]":
+    """Run examples/checkpoint_job.py (native megatron-core 0.13.1: no fix involved) and
+    return the real paths of every file the process mapped."""
+    job = os.path.join(ROOT, "examples", "checkpoint_job.py")
+    env = child_env(PYTHONPATH=mcore_folder(REFERENCE_MEGATRON), ENVS_MAPPED_OUT=out, MCORE_AUTOPATCH="0")
+    proc = subprocess.run([python, "-c", MAPPED_PROBE, job], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit("the probe save failed in %s" % python)
+    with open(out) as f:
+        return {os.path.realpath(line) for line in f.read().splitlines() if line}
+
+
+def prune_unmapped_nvidia_libraries(folder: str) -> None:
+    """Remove the nvidia-* shared libraries that importing torch and a real save never map.
+
+    About 1.5 GB per CUDA line (cuDNN's engine libraries, cuSOLVER, ...): torch loads them
+    lazily for GPU work only. Measured, not guessed: a probe save records what the process
+    maps, everything else under site-packages/nvidia named ``*.so*`` goes, and a second probe
+    save must still succeed. The list of removed files is kept in ``.envs-pruned``.
+    """
+    marker = os.path.join(folder, PRUNED)
+    if os.path.exists(marker):
+        return
+    py = venv_python(folder)
+    nvidia = os.path.join(site_packages(py), "nvidia")
+    removed: "list[str]" = []
+    freed = 0
+    if os.path.isdir(nvidia):
+        mapped = _probe_save(py, os.path.join(folder, ".envs-mapped"))
+        for root, _dirs, files in os.walk(nvidia):
+            for name in files:
+                path = os.path.join(root, name)
+                if ".so" in name and os.path.realpath(path) not in mapped:
+                    freed += os.stat(path).st_size
+                    os.remove(path)
+                    removed.append(os.path.relpath(path, nvidia))
+        _probe_save(py, os.path.join(folder, ".envs-mapped"))  # still imports and saves
+    with open(marker, "w") as f:
+        f.write("".join("%s\n" % name for name in sorted(removed)))
+    where = os.path.relpath(folder, ROOT)
+    log("%s: removed %d unmapped nvidia libraries (%.0f MB)" % (where, len(removed), freed / 2**20))
+
+
+def _seed_spec() -> str:
+    return "torch %s clone|%s|megatron-core==%s --no-deps" % (SEED_TORCH, RAY, SEED_MEGATRON)
+
+
+def seed_ready() -> bool:
+    return _ready(SEED, _seed_spec())
+
+
+def seed_stack() -> str:
+    """The stack of the report this project answers: megatron-core 0.12.1 installed *into*
+    a venv with torch 2.9.0 (not on PYTHONPATH), and Ray, whose worker processes are started
+    by its raylet and never import mcore_autopatch. The wheel is not installed here; tests
+    install it into a clone."""
+    if seed_ready():
+        return venv_python(SEED)
+    torch_venv(SEED_TORCH)
+    where = os.path.relpath(SEED, ROOT)
+    log("creating %s (torch %s, megatron-core %s in the venv, %s)" % (where, SEED_TORCH, SEED_MEGATRON, RAY))
+    py = clone_venv(torch_venv_folder(SEED_TORCH), SEED)
+    pip_install(py, RAY)
+    pip_install(py, "--no-deps", "megatron-core==%s" % SEED_MEGATRON)
+    _stamp(SEED, _seed_spec())
+    return py
+
+
+def nvrx_folder(version: str) -> str:
+    return os.path.join(NVRX, version)
+
+
+def nvrx(versions: "list[str]" = NVRX_VERSIONS) -> None:
+    """nvidia-resiliency-ext releases in --target folders (--no-deps: only the checkpointing
+    writer is used, which needs torch and psutil, both in the e2e venv)."""
+    py = e2e()
+    for version in versions:
+        folder = nvrx_folder(version)
+        spec = "nvidia-resiliency-ext==%s" % version
+        if _ready(folder, spec):
+            continue
+        log("installing nvidia-resiliency-ext %s into %s" % (version, os.path.relpath(folder, ROOT)))
+        shutil.rmtree(folder, ignore_errors=True)
+        pip_install(py, "--no-deps", "--target", folder, spec)
+        _stamp(folder, spec)
 
 
 def mcore_folder(version: str) -> str:
@@ -164,7 +355,7 @@ def mcore(versions: "list[str]" = MEGATRON_VERSIONS) -> None:
             continue
         log("installing megatron-core %s into %s" % (version, os.path.relpath(folder, ROOT)))
         shutil.rmtree(folder, ignore_errors=True)
-        run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--target", folder, spec)
+        pip_install(py, "--no-deps", "--target", folder, spec)
         _stamp(folder, spec)
 
 
@@ -277,22 +468,27 @@ def demo_megatron() -> None:
     if os.path.exists(marker):
         return
     log("installing megatron-core 0.12.1 (--no-deps) into .venv")
-    run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", spec)
+    pip_install(py, "--no-deps", spec)
     open(marker, "w").close()
 
 
+# What `make test` needs, in order (torch before seed: the seed stack clones torch 2.9.0).
+DEFAULT_TARGETS = ["tools", "e2e", "mcore", "pythons", "nvrx", "torch", "seed"]
 TARGETS = {
     "tools": tools,
     "e2e": e2e,
     "mcore": mcore,
     "pythons": pythons,
+    "torch": torch_matrix,
+    "seed": seed_stack,
+    "nvrx": nvrx,
     "wheel": lambda: print(wheel()),
     "demo": demo_megatron,
 }
 
 
 def main(argv: "list[str]") -> int:
-    names = argv or ["tools", "e2e", "mcore", "pythons"]
+    names = argv or DEFAULT_TARGETS
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         print("unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join(TARGETS)), file=sys.stderr)

@@ -1,13 +1,17 @@
 """FAKE torch ``_write_item`` functions, one per signature generation (not torch's code).
 
-torch 2.6, 2.7 and 2.8 cannot all be installed here, so these fakes reproduce what the
-fix depends on: each generation's exact parameter list (names, kinds, defaults), the
-failures a wrong call gets (``TypeError`` for a missing argument, ``AttributeError`` when
-something that is not a transforms object sits in the transforms place), and the data-loss
-traps (torch 2.7 with a truthy ``safe_tensors``, and ``SAFETENSORS`` mode, write no tensor
-bytes). Every call is recorded exactly as received, positional and keyword arguments apart,
-in ``FAKE_CALLS``; the record is made before the call is bound, so a call that fails is
-recorded too.
+Real torch 2.6.0, 2.7.1, 2.8.0, 2.9.0, 2.13.0 and 2.14.1 are tested end to end
+(tests/test_e2e_save.py); these fakes serve the fast unit tests of the policy and the safe
+caller, and the interpreters without torch (other CPythons). Each released generation's
+fake is checked against the real release's signature by
+``test_fake_signatures_are_the_real_releases``; the ``future`` ones are signatures no
+release has. They reproduce what the fix depends on: each generation's exact parameter
+list (names, kinds, defaults), the failures a wrong call gets (``TypeError`` for a missing
+argument, ``AttributeError`` when something that is not a transforms object sits in the
+transforms place), and the data-loss traps (torch 2.7 with a truthy ``safe_tensors``, and
+``SAFETENSORS`` mode, write no tensor bytes). Every call is recorded exactly as received,
+positional and keyword arguments apart, in ``FAKE_CALLS``; the record is made before the
+call is bound, so a call that fails is recorded too.
 
 Standard library only, Python 3.8+: the fake ``torch`` package in ``fake_torch/`` loads this
 file in interpreters without torch.
