@@ -184,9 +184,12 @@ def fix_breakdown() -> None:
     if version.version != "0.12.1" or version.source != "metadata":
         raise SystemExit("unexpected megatron-core version reading: %r" % (version,))
     signature = step("torch signature", lambda: policy.read_signature(original))
+    call = step("writer's own call (its code objects)", lambda: policy.read_call(writer))
     decision = step(
         "decision",
-        lambda: policy.decide("auto", version, signature, writer_fix.torch_version(), writer_fix.torch_has(fs)),
+        lambda: policy.decide(
+            "auto", version, signature, writer_fix.torch_version(), writer_fix.torch_has(fs), call=call
+        ),
     )
     if decision.plan is None:
         raise SystemExit("no plan: %s" % decision.reason)
