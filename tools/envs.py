@@ -330,16 +330,18 @@ def nvrx_folder(version: str) -> str:
 def nvrx(versions: "list[str]" = NVRX_VERSIONS) -> None:
     """nvidia-resiliency-ext releases in --target folders (--no-deps: only the checkpointing
     writer is used, which needs torch and psutil, both in the e2e venv)."""
-    py = e2e()
     for version in versions:
-        folder = nvrx_folder(version)
-        spec = "nvidia-resiliency-ext==%s" % version
-        if _ready(folder, spec):
-            continue
-        log("installing nvidia-resiliency-ext %s into %s" % (version, os.path.relpath(folder, ROOT)))
-        shutil.rmtree(folder, ignore_errors=True)
-        pip_install(py, "--no-deps", "--target", folder, spec)
-        _stamp(folder, spec)
+        target_install(nvrx_folder(version), "nvidia-resiliency-ext==%s" % version)
+
+
+def target_install(folder: str, spec: str) -> None:
+    """``pip install --no-deps --target folder spec`` with the e2e venv's pip, once."""
+    if _ready(folder, spec):
+        return
+    log("installing %s into %s" % (spec, os.path.relpath(folder, ROOT)))
+    shutil.rmtree(folder, ignore_errors=True)
+    pip_install(e2e(), "--no-deps", "--target", folder, spec)
+    _stamp(folder, spec)
 
 
 def mcore_folder(version: str) -> str:
@@ -347,16 +349,8 @@ def mcore_folder(version: str) -> str:
 
 
 def mcore(versions: "list[str]" = MEGATRON_VERSIONS) -> None:
-    py = e2e()
     for version in versions:
-        folder = mcore_folder(version)
-        spec = "megatron-core==%s" % version
-        if _ready(folder, spec):
-            continue
-        log("installing megatron-core %s into %s" % (version, os.path.relpath(folder, ROOT)))
-        shutil.rmtree(folder, ignore_errors=True)
-        pip_install(py, "--no-deps", "--target", folder, spec)
-        _stamp(folder, spec)
+        target_install(mcore_folder(version), "megatron-core==%s" % version)
 
 
 def find_python(minor: str) -> "str | None":
