@@ -277,15 +277,19 @@ NO_CALL_FOUND = CallEvidence()
 
 
 def read_call(module: ModuleType) -> CallEvidence:
-    """How the functions defined in ``module`` call ``_write_item``."""
+    """How the functions defined in ``module`` call ``_write_item``. A module whose members
+    cannot be walked gives no evidence (the version alone decides then), never an error."""
     callers: "list[str]" = []
     lacking: "list[str]" = []
-    for qualname, names in _function_names(module):
-        if "_write_item" not in names:
-            continue
-        callers.append(qualname)
-        if not names & FORMAT_NAMES:
-            lacking.append(qualname)
+    try:
+        for qualname, names in _function_names(module):
+            if "_write_item" not in names:
+                continue
+            callers.append(qualname)
+            if not names & FORMAT_NAMES:
+                lacking.append(qualname)
+    except Exception:
+        return NO_CALL_FOUND
     return CallEvidence(tuple(callers), tuple(lacking))
 
 

@@ -144,6 +144,18 @@ def test_read_call_ignores_functions_imported_from_elsewhere():
     assert policy.read_call(module).passes_format is None
 
 
+def test_read_call_of_a_module_that_cannot_be_walked_gives_no_evidence():
+    """A member whose attributes raise (a lazy proxy, say): the version decides, nothing raises."""
+
+    class FakeExplodingProxy:
+        def __getattribute__(self, name):
+            raise RuntimeError("fake: proxy exploded on %s" % name)
+
+    module = fake_writer_module("def fake_write(t, s, d, i, k):\n    return _write_item(t, s, d, i, k)\n")
+    module.fake_proxy = FakeExplodingProxy()
+    assert policy.read_call(module) == policy.NO_CALL_FOUND
+
+
 def test_read_call_of_a_module_without_callers_finds_nothing():
     module = fake_writer_module("def fake_unrelated():\n    return 1\n")
     call = policy.read_call(module)
