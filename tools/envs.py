@@ -488,7 +488,10 @@ def main(argv: "list[str]") -> int:
         print("unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join(TARGETS)), file=sys.stderr)
         return 2
     for name in names:
+        started = time.time()
         TARGETS[name]()
+        if time.time() - started > 1:  # say what a first build cost; a cached one is silent
+            log("%s ready in %.0f s" % (name, time.time() - started))
     return 0
 
 
