@@ -36,7 +36,11 @@ def seed_python(wheel_path: str) -> str:
 def run_driver(python: str, tmp_path: Any) -> Dict[str, Any]:
     """The Ray driver in a session of its own; its whole process group goes at the end."""
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    env = clean_env(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_IMPORT_WARNING="1")
+    env = clean_env(
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_DISABLE_IMPORT_WARNING="1",
+        TORCHINDUCTOR_COMPILE_THREADS=None,  # torch's compile worker pool, as in the user's image
+    )
     proc = subprocess.Popen(
         [python, DRIVER, str(tmp_path / "ckpt"), temp_dir],
         env=env,

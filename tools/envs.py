@@ -128,6 +128,12 @@ def child_env(**extra: "str | None") -> "dict[str, str]":
     """This process's environment without steering variables, plus ``extra`` (None removes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(STEERING_PREFIXES)}
     env["OMP_NUM_THREADS"] = "1"
+    # The CUDA torch builds carry triton, so importing megatron-core (which imports
+    # torch._inductor through torch.distributed.tensor) warms a pool of compile worker
+    # processes, each importing torch again. No checkpoint save compiles anything; on this
+    # machine's 2 cores the pool made each job ~40% slower. Tests that want the pool (the
+    # seed stack, as a user's image runs it) pass TORCHINDUCTOR_COMPILE_THREADS=None.
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     for key, value in extra.items():
         if value is None:
             env.pop(key, None)
