@@ -180,7 +180,8 @@ def fix_breakdown() -> None:
     policy = writer_fix.policy
     fs = writer_fix.torch_filesystem()
     original = fs._write_item
-    version = step("megatron-core version (metadata)", policy.megatron_core_version)
+    known = writer_fix.writers.MEGATRON_CORE
+    version = step("megatron-core version (metadata)", lambda: policy.writer_version(known))
     if version.version != "0.12.1" or version.source != "metadata":
         raise SystemExit("unexpected megatron-core version reading: %r" % (version,))
     signature = step("torch signature", lambda: policy.read_signature(original))

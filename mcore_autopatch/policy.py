@@ -131,9 +131,6 @@ class WriterVersion(NamedTuple):
         return self.release is not None
 
 
-MegatronVersion = WriterVersion  # its name while megatron-core was the only writer
-
-
 def writer_version(writer: KnownWriter) -> WriterVersion:
     """The installed version of ``writer``'s distribution: its metadata when that metadata
     belongs to the code actually imported, else its ``package_info`` module."""
@@ -151,10 +148,6 @@ def writer_version(writer: KnownWriter) -> WriterVersion:
     else:
         why = "%s's distribution metadata gives no version" % writer.name
     return WriterVersion(meta_version or info_version, None, why)
-
-
-def megatron_core_version() -> WriterVersion:
-    return writer_version(MEGATRON_CORE)
 
 
 def _metadata_module() -> Any:

@@ -16,6 +16,7 @@ from fakes import fake_torch_write_items as fake
 
 import mcore_autopatch
 from mcore_autopatch import policy
+from mcore_autopatch.writers import MEGATRON_CORE
 
 UNKNOWN_SOURCE = "neither megatron-core's distribution metadata nor megatron.core.package_info gives a version"
 MEGATRON_VERSIONS = ["0.8.0", "0.9.0", "0.11.0", "0.12.0", "0.12.3", "0.13.0", "0.13.1rc", "0.16.1", None]
@@ -23,10 +24,10 @@ TORCH_VERSIONS = {"2.6": "2.6.0", "2.7": "2.7.1", "2.8": "2.8.0"}
 LEGACY = "stream, data, write_item, storage_key"
 
 
-def megatron(version: Optional[str]) -> policy.MegatronVersion:
+def megatron(version: Optional[str]) -> policy.WriterVersion:
     if version is None:
-        return policy.MegatronVersion(None, None, UNKNOWN_SOURCE)
-    return policy.MegatronVersion(version, policy.parse_release(version), "metadata")
+        return policy.WriterVersion(None, None, UNKNOWN_SOURCE)
+    return policy.WriterVersion(version, policy.parse_release(version), "metadata")
 
 
 def torch_has_all(name: str) -> bool:
@@ -360,7 +361,7 @@ def fake_megatron_on_path(monkeypatch, tmp_path):
 
 def test_megatron_version_from_its_metadata(fake_megatron_on_path):
     fake_megatron_on_path(version="0.12.1")
-    mv = policy.megatron_core_version()
+    mv = policy.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.release, mv.source) == ("0.12.1", (0, 12, 1), "metadata")
 
 
@@ -368,7 +369,7 @@ def test_megatron_metadata_without_version_falls_back_to_package_info(fake_megat
     from fakes import fake_metadata
 
     fake_megatron_on_path(version="0.11.0", metadata=fake_metadata(None))
-    mv = policy.megatron_core_version()
+    mv = policy.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.release, mv.source) == ("0.11.0", (0, 11, 0), "package_info")
 
 
@@ -376,13 +377,13 @@ def test_megatron_invalid_metadata_version_falls_back_to_package_info(fake_megat
     from fakes import fake_metadata
 
     fake_megatron_on_path(version="0.12.2", metadata=fake_metadata("not-a-version"))
-    mv = policy.megatron_core_version()
+    mv = policy.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.source) == ("0.12.2", "package_info")
 
 
 def test_megatron_without_metadata_or_package_info_is_unknown(fake_megatron_on_path):
     fake_megatron_on_path(metadata=None, package_info=False)
-    mv = policy.megatron_core_version()
+    mv = policy.writer_version(MEGATRON_CORE)
     assert mv.known is False
     assert (mv.version, mv.source) == (None, UNKNOWN_SOURCE)
 
@@ -393,7 +394,7 @@ def test_megatron_metadata_of_another_copy_loses_to_the_imported_package_info(fa
     fake_megatron_on_path(version="0.12.1", metadata=None)  # first on sys.path: the imported code
     import megatron.core  # noqa: F401  (the comparison needs the imported package)
 
-    mv = policy.megatron_core_version()
+    mv = policy.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.source) == ("0.12.1", "package_info")
 
 

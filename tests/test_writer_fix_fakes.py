@@ -147,7 +147,7 @@ def safe_for(write_item: Callable[..., Any], plan: policy.Plan, fs_extras: Tuple
 def force_plan(generation: str) -> policy.Plan:
     signature = policy.read_signature(fake_torch.FAKE_GENERATIONS[generation])
     decision = policy.decide(
-        "force", policy.MegatronVersion("0.12.1", (0, 12, 1), "metadata"), signature, generation, lambda _: True
+        "force", policy.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, generation, lambda _: True
     )
     assert decision.plan is not None
     return decision.plan
@@ -196,7 +196,7 @@ def test_affected_release_call_fails_raw_and_writes_tensor_bytes_through_the_saf
     write_item = fake_torch.FAKE_GENERATIONS[generation]
     signature = policy.read_signature(write_item)
     decision = policy.decide(
-        "auto", policy.MegatronVersion(version, policy.parse_release(version), "metadata"), signature, generation, bool
+        "auto", policy.WriterVersion(version, policy.parse_release(version), "metadata"), signature, generation, bool
     )
     assert decision.plan is not None
     safe = writer_fix.make_safe_write_item(
@@ -232,7 +232,7 @@ def test_torch_2_6_with_an_empty_plan_passes_the_legacy_call_through():
 
 def force_plan_or_none(generation: str) -> Optional[policy.Plan]:
     signature = policy.read_signature(fake_torch.FAKE_GENERATIONS[generation])
-    return policy.decide("force", policy.MegatronVersion(None, None, "?"), signature, generation, bool).plan
+    return policy.decide("force", policy.WriterVersion(None, None, "?"), signature, generation, bool).plan
 
 
 def test_safe_caller_reuses_one_no_extension_transforms_object():
@@ -335,7 +335,7 @@ def test_future_safetensors_default_gets_torch_save_and_writes_the_bytes():
     a = Args()
     assert write_item(a.transforms, *a.legacy).tensor_bytes_written is False  # without the fix
     signature = policy.read_signature(write_item)
-    decision = policy.decide("auto", policy.MegatronVersion("0.12.1", (0, 12, 1), "metadata"), signature, "2.99", bool)
+    decision = policy.decide("auto", policy.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, "2.99", bool)
     assert decision.plan == policy.Plan(False, True)
     safe = writer_fix.make_safe_write_item(write_item, decision.plan, signature, None, TS)
     a = Args()
