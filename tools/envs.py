@@ -42,7 +42,9 @@ DEMO = os.path.join(ROOT, ".venv")
 DIST = os.path.join(ROOT, "dist")
 
 TORCH = "torch==2.13.0"
-MEGATRON_DEPS = ["numpy", "psutil", "packaging"]
+# numpy 1.x: megatron-core declares numpy<2, and its job path (access-integrity validation,
+# flattened ranges, the fully parallel exchange) calls np.product, which numpy 2 removed.
+MEGATRON_DEPS = ["numpy<2", "psutil", "packaging"]
 TOOL_REQUIREMENTS = [
     "pytest==9.2.0",
     "pytest-xdist==3.8.0",
@@ -58,15 +60,21 @@ TOOL_REQUIREMENTS = [
 # CUDA builds from the registry (with their nvidia-* dependencies; they import and save on
 # gloo without a GPU). Each maps to its CUDA line: a release whose line already has a venv
 # starts from a hard-link clone of it, so nvidia-* files of the same version are stored once
-# and not downloaded again. 2.14.1 is the newest release this machine's pip constraint
-# admits (torch<=2.14.1); 2.15.0 is left out rather than lifting the machine's cap.
+# and not downloaded again. 2.11.0 is the last release whose FileSystemWriter.finish drops
+# megatron-core's mcore_data; 2.15.0, the registry's newest, replaces 2.14.1 (both keep it,
+# like 2.13.0) to stay inside the disk and time budgets.
 TORCH_MATRIX = {
     "2.6.0": "cu124",
     "2.7.1": "cu126",
     "2.8.0": "cu128",
     "2.9.0": "cu128",
-    "2.14.1": "cu130",
+    "2.11.0": "cu130",
+    "2.15.0": "cu130",
 }
+# Releases above this machine's pip constraint (torch<=2.14.1, from /etc/xdg/pip): only the
+# pip command that installs one runs with PIP_CONSTRAINT=/dev/null; the machine's
+# configuration is never edited.
+ABOVE_PIP_CONSTRAINT = {"2.15.0"}
 # The seed report's stack (tests/test_e2e_seed_stack.py): megatron-core installed into a
 # torch 2.9.0 venv, with Ray.
 SEED_TORCH = "2.9.0"
@@ -80,6 +88,9 @@ REFERENCE_MEGATRON = "0.13.1"
 # Every megatron-core release the tests use: the affected range, the fixed releases, and
 # newer ones that are only imported (their save path needs CUDA).
 MEGATRON_VERSIONS = [
+    "0.6.0",
+    "0.7.0",
+    "0.8.0",
     "0.9.0",
     "0.10.0",
     "0.11.0",
@@ -105,8 +116,15 @@ def run(*cmd: str, **kwargs: object) -> None:
     subprocess.run(list(cmd), check=True, **kwargs)  # type: ignore[call-overload]
 
 
-def pip_install(python: str, *args: str) -> None:
-    run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args)
+def pip_install(python: str, *args: str, env: "dict[str, str] | None" = None) -> None:
+    run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args, env=env)
+
+
+def torch_pip_env(release: str) -> "dict[str, str] | None":
+    """The environment of the one pip command that installs torch ``release``."""
+    if release not in ABOVE_PIP_CONSTRAINT:
+        return None
+    return dict(os.environ, PIP_CONSTRAINT="/dev/null")
 
 
 # Variables that would steer a child Python or a child rank: tests and benchmarks start
@@ -170,7 +188,13 @@ def _stamp(folder: str, spec: str) -> None:
         f.write(spec)
 
 
-def make_venv(folder: str, packages: "list[str]", python: "str | None" = None, label: str = "") -> str:
+def make_venv(
+    folder: str,
+    packages: "list[str]",
+    python: "str | None" = None,
+    label: str = "",
+    pip_env: "dict[str, str] | None" = None,
+) -> str:
     """A venv at ``folder`` with ``packages``; reused while its stamp matches."""
     spec = "%s|%s" % (python or "default", " ".join(packages))
     if _ready(folder, spec):
@@ -183,7 +207,7 @@ def make_venv(folder: str, packages: "list[str]", python: "str | None" = None, l
         run(python, "-m", "venv", folder)
     py = venv_python(folder)
     if packages:
-        pip_install(py, *packages)
+        pip_install(py, *packages, env=pip_env)
     _stamp(folder, spec)
     return py
 
@@ -228,11 +252,15 @@ def torch_venv(release: str) -> str:
         sibling = siblings[0] if siblings else None
         started = time.time()
         if sibling is None:
-            make_venv(folder, packages, label="(torch %s, %s)" % (release, line))
+            make_venv(folder, packages, label="(torch %s, %s)" % (release, line), pip_env=torch_pip_env(release))
         else:
             log("creating %s from a hard-link clone of torch %s (%s)" % (os.path.relpath(folder, ROOT), sibling, line))
             py = clone_venv(torch_venv_folder(sibling), folder)
-            pip_install(py, *packages)
+            # The sibling's pruning marker came with the clone; what pip adds now is unpruned.
+            for name in (PRUNED, ".envs-mapped"):
+                if os.path.exists(os.path.join(folder, name)):
+                    os.remove(os.path.join(folder, name))
+            pip_install(py, *packages, env=torch_pip_env(release))
             _stamp(folder, "default|%s" % " ".join(packages))
         log("torch %s installed in %.0f s" % (release, time.time() - started))
     prune_unmapped_nvidia_libraries(folder)
@@ -340,13 +368,14 @@ def nvrx(versions: "list[str]" = NVRX_VERSIONS) -> None:
         target_install(nvrx_folder(version), "nvidia-resiliency-ext==%s" % version)
 
 
-def target_install(folder: str, spec: str) -> None:
-    """``pip install --no-deps --target folder spec`` with the e2e venv's pip, once."""
+def target_install(folder: str, *specs: str) -> None:
+    """``pip install --no-deps --target folder specs`` with the e2e venv's pip, once."""
+    spec = " ".join(specs)
     if _ready(folder, spec):
         return
     log("installing %s into %s" % (spec, os.path.relpath(folder, ROOT)))
     shutil.rmtree(folder, ignore_errors=True)
-    pip_install(e2e(), "--no-deps", "--target", folder, spec)
+    pip_install(e2e(), "--no-deps", "--target", folder, *specs)
     _stamp(folder, spec)
 
 
@@ -354,9 +383,15 @@ def mcore_folder(version: str) -> str:
     return os.path.join(MCORE, version)
 
 
+# What a release's folder carries beside megatron-core: 0.7 and 0.8 import pkg_resources
+# (tensor_parallel/random.py), which setuptools 81 removed; their users' images have an
+# older setuptools, and the folder brings one so that the venvs need not.
+MEGATRON_EXTRAS = {"0.7.0": ["setuptools<81"], "0.8.0": ["setuptools<81"]}
+
+
 def mcore(versions: "list[str]" = MEGATRON_VERSIONS) -> None:
     for version in versions:
-        target_install(mcore_folder(version), "megatron-core==%s" % version)
+        target_install(mcore_folder(version), "megatron-core==%s" % version, *MEGATRON_EXTRAS.get(version, []))
 
 
 def find_python(minor: str) -> "str | None":
