@@ -1,12 +1,12 @@
-"""mcore-autopatch: megatron-core's async checkpoint writer, working on new torch.
+"""mcore-autopatch: megatron-core torch_dist checkpoints that save and resume on new torch.
 
 This module is the startup room. ``mcore_autopatch.pth`` imports it in every interpreter
 of an image, so it uses only ``os`` and ``sys`` (already loaded by ``python -c pass``),
 never prints, never raises, and does one thing: unless ``MCORE_AUTOPATCH`` switches it
 off, it puts one small finder on ``sys.meta_path`` that ignores every import but the few
-writer modules below. The import hook proper (``importhook``), the policy that decides
-(``policy``, ``writers``) and the fix (``writer_fix``) are imported only when a writer
-module is imported, i.e. in processes that already pay for torch.
+checkpointing modules below. The import hook proper (``importhook``), the table of fixes
+(``fixes``) and what each reads and rebinds are imported only when such a module is
+imported, i.e. in processes that already pay for torch.
 """
 
 import os
@@ -20,24 +20,20 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["__version__", "activate", "install", "read_mode", "status"]
 
-# megatron-core's writer module, whose ``_write_item`` global is rebound.
+# The modules whose execution the fixes wait for (the table is mcore_autopatch/fixes.py, not
+# imported here: this runs at every interpreter start; a test checks the two agree).
+# megatron-core's writer: its ``_write_item`` global is rebound.
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-# Imports the writer at the top in every release from 0.9 to 0.16, and every torch_dist save
-# goes through it. When it has executed the writer is looked at again, in case a finder
-# ahead of ours loaded the writer module without asking us.
+# megatron-core's torch_dist strategies: the planner that sets ``mcore_data`` and the loader
+# that reads it. It imports the writer at its top in every release from 0.6 to 0.16, so it
+# is also where a writer loaded by a finder ahead of ours is looked at again.
 IMPORTER_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 # nvidia-resiliency-ext's copy of the writer (0.3.0 makes megatron-core 0.12's call).
 NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
 
-# Callbacks by "module:function" name, resolved only when the watched module executes. The
-# writers and what is known of them are in mcore_autopatch/writers.py (not imported here:
-# this runs at every interpreter start); a test checks that these names match that table.
-_ON_WRITER = ("mcore_autopatch.writer_fix:on_writer_executed",)
-_WATCHED = {
-    WRITER_MODULE: _ON_WRITER,
-    IMPORTER_MODULE: ("mcore_autopatch.writer_fix:on_importer_executed",),
-    NVRX_WRITER_MODULE: _ON_WRITER,
-}
+# One callback, by "module:function" name, resolved only when a watched module executes.
+_ON_EXECUTED = ("mcore_autopatch.fixes:on_module_executed",)
+_WATCHED = {WRITER_MODULE: _ON_EXECUTED, IMPORTER_MODULE: _ON_EXECUTED, NVRX_WRITER_MODULE: _ON_EXECUTED}
 
 _OFF_WORDS = ("0", "off", "false", "no")
 

@@ -16,8 +16,10 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mcore_autopatch
-from mcore_autopatch import policy
+from mcore_autopatch import fixes, policy
 from mcore_autopatch.writers import KNOWN_WRITERS, KnownWriter
+
+WRITE_ITEM_FIX = {f.watches: f for f in fixes.FIXES if f.name == "write_item"}
 
 STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
 
@@ -178,7 +180,33 @@ def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[st
     if ev.decision.needed and not row["applied"] and ev.original is not None and current is not ev.original:
         reason += "; %s._write_item has been replaced by %s" % (writer.__name__, _name(current))
     row["reason"] = reason
-    row["hook_decision"] = writer_fix.last_decision(known.module)  # what the hook decided at import
+    row["hook_decision"] = fixes.last_decision(WRITE_ITEM_FIX[known.module])  # what the hook decided at import
+    return row
+
+
+def fix_status(fix: fixes.Fix, installed: bool, mode: str) -> Dict[str, Any]:
+    """One fix of the table: what it reads and rebinds, whether it is needed and applied."""
+    row: Dict[str, Any] = {
+        "fix": fix.name,
+        "library": fix.library,
+        "module": fix.watches,
+        "reads": fix.reads,
+        "rebinds": fix.rebinds,
+        "needed": None,
+        "applied": False,
+        "reason": "",
+        "hook_decision": fixes.last_decision(fix),
+    }
+    module = sys.modules.get(fix.watches)
+    if module is None:
+        if installed:
+            row["reason"] = "%s is not imported in this process (yet)" % fix.watches
+        else:
+            row.update(needed=False, reason="%s is not installed in this interpreter: nothing to fix" % fix.library)
+        return row
+    implementation = fix.implemented_by()
+    decision = implementation.evaluate(module, "auto" if mode == "off" else mode).decision
+    row.update(needed=decision.needed, applied=implementation.is_applied(module), reason=decision.reason)
     return row
 
 
@@ -204,6 +232,20 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
         "torch": None,
     }
     rows = [writer_status(known, import_writer, mode) for known in KNOWN_WRITERS]
+    by_library = {row["name"]: row for row in rows}
+    for fix in fixes.FIXES:
+        writer_row = by_library.get(fix.library)
+        if import_writer and writer_row and writer_row["imported"] and fix.watches not in sys.modules:
+            _import_writer(fix.watches)  # e.g. megatron-core's strategies.torch, as a save imports it
+    fix_rows = []
+    for fix in fixes.FIXES:
+        writer_row = by_library.get(fix.library) or {}
+        if fix.name == "write_item" and writer_row:
+            row = fix_status(fix, bool(writer_row.get("installed")), mode)
+            row.update({k: writer_row[k] for k in ("needed", "applied", "reason", "hook_decision")})
+        else:
+            row = fix_status(fix, bool(writer_row.get("installed")), mode)
+        fix_rows.append(row)
     info["torch"] = torch_version()
     megatron = rows[0]
     # megatron-core's row, also at the top level under the names scripts already read.
@@ -220,6 +262,7 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
     )
     info["advice"] = _advice(info, finder)
     info["writers"] = rows
+    info["fixes"] = fix_rows
     return info
 
 
@@ -261,17 +304,28 @@ def relevant_writers(info: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def check(info: Dict[str, Any]) -> Tuple[int, str]:
-    """``mcore-autopatch check``: exit code and its one line, over every installed writer."""
-    rows = relevant_writers(info)
+    """``mcore-autopatch check``: exit code and its one line, over every fix of every library
+    that is installed (megatron-core's writer fix is always answered for)."""
+    relevant = relevant_writers(info)
+    libraries = {row["name"] for row in relevant}
+    rows = [row for row in info.get("fixes") or [] if row["library"] in libraries]
+    rows = [row for row in rows if row["fix"] == "write_item" or row["needed"] is not False or row["applied"]]
     failing = [row for row in rows if row["needed"] is True and not row["applied"]]
     if failing:
-        reasons = "; ".join(row["reason"] for row in failing)
+        reasons = "; ".join("%s: %s" % (_label(row), row["reason"]) for row in failing)
         detail = "%s (%s)" % (info["advice"], reasons) if info["advice"] else reasons
         return NEEDED_NOT_ACTIVE, "FAIL: fix needed but not active in this interpreter: %s" % detail
     unknown = [row for row in rows if row["needed"] is None and not row["applied"]]
     if unknown:
         return CANNOT_TELL, "UNKNOWN: cannot tell whether the fix is needed: %s" % "; ".join(
-            row["reason"] for row in unknown
+            "%s: %s" % (_label(row), row["reason"]) for row in unknown
         )
-    parts = ["fix %s (%s)" % ("active" if row["applied"] else "not needed", row["reason"]) for row in rows]
+    parts = ["%s %s (%s)" % (_label(row), "active" if row["applied"] else "not needed", row["reason"]) for row in rows]
     return ACTIVE_OR_NOT_NEEDED, "ok: " + "; ".join(parts)
+
+
+def _label(row: Dict[str, Any]) -> str:
+    """``fix`` for megatron-core's writer fix (the words check has always printed), else its name."""
+    if row["fix"] == "write_item" and row["library"] == "megatron-core":
+        return "fix"
+    return "%s %s" % (row["library"], row["fix"]) if row["fix"] != "write_item" else "%s fix" % row["library"]

@@ -11,19 +11,17 @@ four-argument call ``(stream, data, write_item, storage_key)``, and
 neither by position nor by keyword. A call that is already complete (a job's own shim,
 megatron-core 0.13+ under ``force``) passes through unchanged.
 
-The callbacks below are what ``mcore_autopatch.importhook`` runs when a writer module (or a
-module that imports one) executes; they never raise.
+``mcore_autopatch.fixes`` lists this fix once per known writer and calls ``apply`` when the
+writer module has executed.
 """
 
 import sys
 import threading
-import weakref
 from types import ModuleType
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import mcore_autopatch
 from mcore_autopatch import policy, writers
-from mcore_autopatch._log import logger
 
 # Set on the safe caller; its value is our version. Checked instead of isinstance, so a
 # rebinding made by another copy of this package is recognised too.
@@ -31,16 +29,6 @@ MARK = "__mcore_autopatch__"
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 
 _lock = threading.Lock()  # guards the rebinding only; nothing is imported under it
-_seen: "weakref.WeakSet[ModuleType]" = weakref.WeakSet()  # writer modules we have handled
-
-
-def _fresh_state() -> Dict[str, Any]:
-    # logged: writer modules whose first decision was logged; warned: reasons warned about;
-    # last: what the hook decided when each writer module last executed, by module name.
-    return {"logged": set(), "mode_warned": False, "warned": set(), "last": {}}
-
-
-_state = _fresh_state()
 
 
 def is_safe_write_item(obj: object) -> bool:
@@ -176,57 +164,5 @@ def apply(writer: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
     return decision, True
 
 
-def on_writer_executed(writer: ModuleType) -> None:
-    """importhook callback: megatron-core's writer module has just executed."""
-    try:
-        mode, recognised = mcore_autopatch.read_mode()
-        if not recognised and not _state["mode_warned"]:
-            _state["mode_warned"] = True
-            logger.warning("MCORE_AUTOPATCH has an unknown value; behaving as 'auto' (use auto, 0, off or force)")
-        if mode == "off":
-            return
-        _seen.add(writer)
-        decision, applied = apply(writer, mode)
-        _state["last"][writer.__name__] = {"needed": decision.needed, "applied": applied, "reason": decision.reason}
-        _log_decision(writer.__name__, decision, applied)
-    except Exception:
-        logger.warning("checking %s failed; it is left unchanged", getattr(writer, "__name__", writer), exc_info=True)
-
-
-def on_importer_executed(importer: ModuleType) -> None:
-    """importhook callback: a module that imports a writer module at its top has executed
-    (``megatron.core.dist_checkpointing.strategies.torch``).
-
-    If our finder did not see the writer's import (another finder ahead of ours loaded it),
-    fix it now: the rebinding works at any time before a save, since ``_write_item`` is
-    looked up when the writer runs.
-    """
-    for known in writers.writers_imported_by(importer.__name__):
-        writer = sys.modules.get(known.module)
-        if writer is None or writer in _seen:
-            continue
-        loader = getattr(getattr(writer, "__spec__", None), "loader", None)
-        logger.warning("%s was loaded without mcore_autopatch's finder (by %r); checking it now", known.module, loader)
-        on_writer_executed(writer)
-
-
-def last_decision(module: str = mcore_autopatch.WRITER_MODULE) -> Optional[Dict[str, Any]]:
-    """What the hook decided when ``module`` (megatron-core's writer by default) last executed
-    in this process, or None."""
-    last = _state["last"].get(module)
-    return dict(last) if last else None
-
-
-def _log_decision(module: str, decision: policy.Decision, applied: bool) -> None:
-    first = module not in _state["logged"]
-    _state["logged"].add(module)
-    if decision.needed is not False and not applied:
-        if decision.reason not in _state["warned"]:  # once per process per reason
-            _state["warned"].add(decision.reason)
-            logger.warning(
-                "fix %s but not applied: %s", "needed" if decision.needed else "maybe needed", decision.reason
-            )
-    elif first:
-        logger.info("%s: %s", "applied" if applied else "not applied", decision.reason)
-    else:
-        logger.debug("%s again (re-import): %s", "applied" if applied else "not applied", decision.reason)
+def is_applied(writer: ModuleType) -> bool:
+    return is_safe_write_item(vars(writer).get("_write_item"))

@@ -21,7 +21,7 @@ from fakes import fake_megatron_tree
 from fakes import fake_torch_write_items as fake_torch
 
 import mcore_autopatch
-from mcore_autopatch import policy, writer_fix
+from mcore_autopatch import fixes, policy, writer_fix
 
 TS = fake_torch.FakeSerializationFormat.TORCH_SAVE
 SAFETENSORS = fake_torch.FakeSerializationFormat.SAFETENSORS
@@ -75,7 +75,7 @@ class FakeTorch:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTorch]:
     """FAKE torch modules in ``sys.modules`` for one test; the real entries come back after."""
-    monkeypatch.setattr(writer_fix, "_state", writer_fix._fresh_state())
+    monkeypatch.setattr(fixes, "_state", fixes._fresh_state())
     monkeypatch.delenv("MCORE_AUTOPATCH", raising=False)
     yield FakeTorch(monkeypatch)
     del fake_torch.FAKE_CALLS[:]
@@ -516,21 +516,23 @@ def test_evaluate_decides_without_changing_the_writer(fake, fake_megatron):
     assert writer._write_item is original
 
 
-# --- the import-hook callback over re-imports ----------------------------------------------
+# --- the import-hook callback (mcore_autopatch.fixes) over re-imports ------------------------
+
+WRITE_ITEM = fixes.FIXES[0]  # megatron-core's writer fix
 
 
-def test_on_writer_executed_for_each_reimport_wraps_each_module_once(fake, fake_megatron, caplog):
+def test_on_module_executed_for_each_reimport_wraps_each_module_once(fake, fake_megatron, caplog):
     """A reload or re-import executes a fresh body (torch's original again): one wrapper each time."""
     fake.install("2.8")
     fake_megatron("0.12.1")
     caplog.set_level(logging.DEBUG, logger="mcore_autopatch")
     writers = [fake.writer(), fake.writer()]
     for writer in writers:
-        writer_fix.on_writer_executed(writer)
-        writer_fix.on_writer_executed(writer)  # the package callback may look again
+        fixes.on_module_executed(writer)
+        fixes.on_module_executed(writer)  # the package callback may look again
         assert writer_fix.is_safe_write_item(writer._write_item)
         assert writer._write_item.__wrapped__ is fake.fs._write_item
-    assert writer_fix.last_decision() == {
+    assert fixes.last_decision(WRITE_ITEM) == {
         "needed": True,
         "applied": True,
         "reason": "megatron-core 0.12.1 calls _write_item without serialization_format; torch 2.8.0+fake requires it",
@@ -539,29 +541,29 @@ def test_on_writer_executed_for_each_reimport_wraps_each_module_once(fake, fake_
     assert [r.levelname for r in caplog.records].count("INFO") == 1  # the first decision only
 
 
-def test_on_writer_executed_warns_once_per_reason_when_needed_but_not_applied(fake, fake_megatron, caplog):
+def test_on_module_executed_warns_once_per_reason_when_needed_but_not_applied(fake, fake_megatron, caplog):
     fake.install("2.8", without=("SerializationFormat",))
     fake_megatron("0.12.1")
     caplog.set_level(logging.DEBUG, logger="mcore_autopatch")
     for _ in range(3):
-        writer_fix.on_writer_executed(fake.writer())
+        fixes.on_module_executed(fake.writer())
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "fix needed but not applied" in warnings[0].getMessage()
     assert "no SerializationFormat" in warnings[0].getMessage()
 
 
-def test_on_writer_executed_with_mode_off_changes_nothing(fake, fake_megatron, monkeypatch):
+def test_on_module_executed_with_mode_off_changes_nothing(fake, fake_megatron, monkeypatch):
     fake.install("2.8")
     fake_megatron("0.12.1")
     monkeypatch.setenv("MCORE_AUTOPATCH", "off")
     writer = fake.writer()
-    writer_fix.on_writer_executed(writer)
+    fixes.on_module_executed(writer)
     assert writer._write_item is fake.fs._write_item
-    assert writer_fix.last_decision() is None
+    assert fixes.last_decision(WRITE_ITEM) is None
 
 
-def test_on_writer_executed_never_raises_when_evaluation_breaks(fake, monkeypatch, caplog):
+def test_on_module_executed_never_raises_when_evaluation_breaks(fake, monkeypatch, caplog):
     """A failure inside the decision is logged; the import that triggered it goes on."""
     fake.install("2.8")
 
@@ -570,6 +572,6 @@ def test_on_writer_executed_never_raises_when_evaluation_breaks(fake, monkeypatc
 
     monkeypatch.setattr(policy, "writer_version", fake_broken_version)
     writer = fake.writer()
-    writer_fix.on_writer_executed(writer)
+    fixes.on_module_executed(writer)
     assert writer._write_item is fake.fs._write_item
     assert any("left unchanged" in r.getMessage() for r in caplog.records)

@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 
 import mcore_autopatch
-from mcore_autopatch import policy, writers
+from mcore_autopatch import fixes, policy, writers
 
 FAKE_MODULE = "fake_writers.filesystem_async"
 TORCH_2_8_SIGNATURE = policy.WriteItemSignature(
@@ -37,12 +37,12 @@ def fake_writer_module(source: str, name: str = FAKE_MODULE) -> types.ModuleType
 # --- the table ------------------------------------------------------------------------------
 
 
-def test_startup_watch_list_matches_the_known_writers():
-    """The startup room cannot import writers.py; its watch list must name the same modules."""
-    watched_writers = {name for name, hooks in mcore_autopatch._WATCHED.items() if hooks == mcore_autopatch._ON_WRITER}
-    assert watched_writers == {w.module for w in writers.KNOWN_WRITERS}
-    importers = {name for name in mcore_autopatch._WATCHED if name not in watched_writers}
-    assert importers == {name for w in writers.KNOWN_WRITERS for name in w.importers}
+def test_startup_watch_list_matches_the_table_of_fixes():
+    """The startup room cannot import fixes.py; its watch list must name the same modules."""
+    assert set(mcore_autopatch._WATCHED) == fixes.watched_modules()
+    assert all(hooks == mcore_autopatch._ON_EXECUTED for hooks in mcore_autopatch._WATCHED.values())
+    assert {w.module for w in writers.KNOWN_WRITERS} <= fixes.watched_modules()
+    assert {name for w in writers.KNOWN_WRITERS for name in w.importers} <= fixes.watched_modules()
     assert writers.MEGATRON_CORE.module == mcore_autopatch.WRITER_MODULE
     assert writers.NVIDIA_RESILIENCY_EXT.module == mcore_autopatch.NVRX_WRITER_MODULE
 
