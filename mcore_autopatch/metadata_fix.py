@@ -1,0 +1,226 @@
+"""Keep megatron-core's own attributes on the checkpoint ``Metadata`` through torch's ``finish``.
+
+megatron-core 0.8-0.14 put ``mcore_data`` (the original shape of every N-D flattened
+tensor, i.e. the distributed optimizer's state) and, from 0.11, ``all_local_plans`` (what a
+resumed job needs to reuse the metadata) on torch's ``Metadata`` as plain attributes: they
+are not dataclass fields. torch 2.9.0-2.11.x start ``FileSystemWriter.finish`` with
+``metadata = dataclasses.replace(metadata, version=...)``, which builds a new ``Metadata``
+from the declared fields only, so both are missing from the pickled ``.metadata`` and a job
+with the distributed optimizer cannot resume. torch <= 2.8 and >= 2.12 set the version in
+place and keep them.
+
+What is read (never assumed from version numbers):
+
+* torch: whether ``FileSystemWriter.finish`` (as megatron's writer inherits it) rebuilds the
+  Metadata through ``dataclasses.replace``, read from its code;
+* megatron-core: which attributes its planner and its async saver store on the Metadata
+  (``STORE_ATTR`` instructions of ``MCoreSavePlanner.create_global_plan`` and of the
+  functions of ``state_dict_saver``), less those torch's ``Metadata`` declares.
+
+What is rebound, only when both say so: the ``dataclasses`` global of torch's filesystem
+module, to a stand-in whose ``replace`` calls the real one and then copies exactly those
+attributes from the old ``Metadata`` to the new one; everything else is the real
+``dataclasses`` module. The pickle then holds what torch 2.8 writes: torch's own
+``Metadata`` with the attributes, no class of ours.
+"""
+
+import dataclasses
+import dis
+import sys
+from types import ModuleType
+from typing import Any, Callable, FrozenSet, NamedTuple, Optional, Tuple
+
+from mcore_autopatch import policy
+
+TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
+TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+SAVER_MODULE = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
+# The attributes megatron-core is known to set on torch's Metadata; the reading below
+# decides which of them the installed release really sets.
+KNOWN_ATTRIBUTES = ("mcore_data", "all_local_plans")
+MARK = "__mcore_autopatch__"
+
+
+class FinishReading(NamedTuple):
+    """How torch's ``FileSystemWriter.finish`` treats the Metadata it is given."""
+
+    drops: Optional[bool]  # None: cannot tell
+    text: str
+    target: Optional[str] = None  # the global of finish's module to rebind
+
+
+def unwrap(function: Any) -> Any:
+    for _ in range(8):
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            break
+        function = inner
+    return getattr(function, "__func__", function)
+
+
+def read_finish(fs: ModuleType) -> FinishReading:
+    """Read ``FileSystemWriter.finish`` of torch's filesystem module ``fs``."""
+    writer = getattr(fs, "FileSystemWriter", None)
+    finish = unwrap(getattr(writer, "finish", None))
+    code = getattr(finish, "__code__", None)
+    if code is None:
+        return FinishReading(None, "torch's FileSystemWriter.finish cannot be read")
+    names = set(code.co_names)
+    where = "FileSystemWriter.finish (%s)" % getattr(finish, "__qualname__", "finish")
+    if "replace" in names:
+        module_globals = getattr(finish, "__globals__", {})
+        if "dataclasses" in names and _is_dataclasses(module_globals.get("dataclasses")):
+            return FinishReading(
+                True, "%s rebuilds the Metadata with dataclasses.replace" % where, target="dataclasses"
+            )
+        return FinishReading(None, "%s calls a replace() mcore-autopatch does not know" % where)
+    if "Metadata" in names:
+        return FinishReading(None, "%s builds a new Metadata in a way mcore-autopatch does not know" % where)
+    return FinishReading(False, "%s updates the Metadata in place" % where)
+
+
+def _is_dataclasses(obj: Any) -> bool:
+    return obj is dataclasses or bool(getattr(obj, MARK, False))
+
+
+def stored_attributes(function: Any) -> "set[str]":
+    """Names of the attributes ``function`` (and functions nested in it) assigns."""
+    code = getattr(unwrap(function), "__code__", None)
+    stored: "set[str]" = set()
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        for instruction in dis.get_instructions(current):
+            if instruction.opname == "STORE_ATTR":
+                stored.add(str(instruction.argval))
+        stack.extend(const for const in current.co_consts if hasattr(const, "co_code"))
+    return stored
+
+
+def megatron_attributes(strategies_torch: ModuleType, metadata_type: Optional[type]) -> Tuple[str, ...]:
+    """The attributes the installed megatron-core stores on torch's Metadata without it
+    declaring them, read from the planner's and the async saver's code."""
+    stored: "set[str]" = set()
+    planner = getattr(strategies_torch, "MCoreSavePlanner", None)
+    stored |= stored_attributes(getattr(planner, "create_global_plan", None))
+    saver = sys.modules.get(SAVER_MODULE)
+    if saver is not None:
+        for value in list(vars(saver).values()):
+            if getattr(value, "__module__", None) == SAVER_MODULE and callable(value):
+                stored |= stored_attributes(value)
+    declared = _declared_fields(metadata_type)
+    return tuple(name for name in KNOWN_ATTRIBUTES if name in stored and name not in declared)
+
+
+def _declared_fields(cls: Optional[type]) -> FrozenSet[str]:
+    try:
+        return frozenset(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    except TypeError:
+        return frozenset()
+
+
+class Evaluation(NamedTuple):
+    decision: policy.Decision
+    fs: Optional[ModuleType] = None
+    metadata_type: Optional[type] = None
+    attributes: Tuple[str, ...] = ()
+    finish: Optional[FinishReading] = None
+
+
+def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
+    """Decide, changing nothing, for megatron-core's ``strategies.torch`` module."""
+    fs = sys.modules.get(TORCH_FS_MODULE)
+    metadata_module = sys.modules.get(TORCH_METADATA_MODULE)
+    metadata_type = getattr(metadata_module, "Metadata", None)
+    torch_label = "torch %s" % _torch_version()
+    if fs is None or not isinstance(metadata_type, type):
+        return Evaluation(policy.Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
+    finish = read_finish(fs)
+    attributes = megatron_attributes(strategies_torch, metadata_type)
+    megatron = "megatron-core %s" % (policy.writer_version(_megatron()).version or "(unknown version)")
+    if not attributes:
+        reason = "%s sets no attribute of its own on the checkpoint Metadata" % megatron
+        return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
+    listed = " and ".join(attributes)
+    if finish.drops is None:
+        reason = "%s: %s; not patching (%s sets %s on the Metadata)" % (torch_label, finish.text, megatron, listed)
+        return Evaluation(policy.Decision(None, reason), fs, metadata_type, attributes, finish)
+    if not finish.drops:
+        reason = "%s's %s, so %s set by %s are kept" % (torch_label, finish.text, listed, megatron)
+        return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
+    reason = "%s's %s, dropping %s that %s sets on it" % (torch_label, finish.text, listed, megatron)
+    return Evaluation(policy.Decision(True, reason), fs, metadata_type, attributes, finish)
+
+
+def _megatron() -> Any:
+    from mcore_autopatch.writers import MEGATRON_CORE
+
+    return MEGATRON_CORE
+
+
+def _torch_version() -> str:
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return str(version) if version is not None else "(unknown version)"
+
+
+# --- the rebinding ---------------------------------------------------------------------
+
+
+def keeping_replace(real_replace: Callable[..., Any], metadata_type: type, attributes: Tuple[str, ...]) -> Any:
+    """``dataclasses.replace`` that, for a torch ``Metadata``, also carries ``attributes``."""
+
+    def replace(obj: Any, /, **changes: Any) -> Any:
+        new = real_replace(obj, **changes)
+        if isinstance(obj, metadata_type):
+            kept = getattr(obj, "__dict__", {})
+            for name in attributes:
+                if name in kept and name not in vars(new):
+                    setattr(new, name, kept[name])
+        return new
+
+    replace.__wrapped__ = real_replace  # type: ignore[attr-defined]
+    setattr(replace, MARK, attributes)
+    return replace
+
+
+class DataclassesKeepingAttributes:
+    """Stands in for the ``dataclasses`` module inside torch's filesystem module: the real
+    module for everything but ``replace`` (see ``keeping_replace``)."""
+
+    def __init__(self, real: ModuleType, metadata_type: type, attributes: Tuple[str, ...]) -> None:
+        self.__mcore_autopatch__ = attributes
+        self.__real = real
+        self.replace = keeping_replace(real.replace, metadata_type, attributes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__real, name)
+
+    def __repr__(self) -> str:
+        return "<dataclasses, with a replace() that keeps %s on torch's Metadata (mcore-autopatch)>" % ", ".join(
+            self.__mcore_autopatch__
+        )
+
+
+def is_applied(fs: Optional[ModuleType]) -> bool:
+    return bool(getattr(vars(fs).get("dataclasses") if fs is not None else None, MARK, False))
+
+
+def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+    """Decide, and rebind torch's filesystem ``dataclasses`` global when needed."""
+    ev = evaluate(strategies_torch, mode)
+    decision = ev.decision
+    if not decision.needed or ev.fs is None or ev.finish is None or ev.metadata_type is None:
+        return decision, is_applied(ev.fs)
+    namespace = vars(ev.fs)
+    current = namespace.get(ev.finish.target or "")
+    if getattr(current, MARK, False):
+        if set(ev.attributes) <= set(getattr(current, MARK)):
+            return decision, True
+        current = dataclasses  # another megatron-core sets more: rebuild around the real module
+    elif current is not dataclasses:
+        return policy.Decision(
+            True,
+            "%s; but %s.dataclasses is already %r, so it is left alone" % (decision.reason, ev.fs.__name__, current),
+        ), False
+    namespace["dataclasses"] = DataclassesKeepingAttributes(current, ev.metadata_type, ev.attributes)
+    return decision, True
