@@ -3,7 +3,9 @@
 One gloo rank with an in-memory store (no network, no GPU needed), a temporary folder,
 ``dist_checkpointing.save(..., async_sharded_save=True)`` then ``execute_sync()`` (the
 write a training job's async worker does), then ``dist_checkpointing.load`` and an exact
-comparison. It runs megatron-core's own writer through the normal import system, so the
+comparison; twice: a plain tensor, then a weight with its distributed-optimizer state (an
+N-D flattened tensor), whose checkpoint must also keep megatron-core's ``mcore_data``.
+It runs megatron-core's own writer through the normal import system, so the
 fix is in play exactly when it would be in a job started the same way. With the fix
 switched off on an affected stack it fails the way training jobs fail, and says so.
 
@@ -12,6 +14,7 @@ megatron-core missing, or a megatron-core whose save path needs CUDA on a CPU ma
 """
 
 import importlib
+import inspect
 import sys
 import tempfile
 import time
@@ -43,7 +46,6 @@ def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
             import torch
             import torch.distributed as dist
             from megatron.core import dist_checkpointing
-            from megatron.core.dist_checkpointing import ShardedTensor
 
             # The save would import the writer later; importing it now, the same way, lets
             # the report below say what the save is about to run.
@@ -68,42 +70,104 @@ def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
             _say(out, "cannot run: gloo did not start (%s: %s); try GLOO_SOCKET_IFNAME=lo" % (type(exc).__name__, exc))
             return CANNOT_RUN
     try:
-        with quiet_imports(), tempfile.TemporaryDirectory(prefix="mcore-autopatch-selftest-", dir=folder) as ckpt:
-            expected = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
-            state: Any = {KEY: ShardedTensor.from_rank_offsets(KEY, expected.clone(), replica_id=0)}
-            _say(out, "async save of one 64x64 float32 tensor (gloo, 1 rank) to %s" % ckpt)
-            save_started = time.perf_counter()
-            try:
-                request = dist_checkpointing.save(state, ckpt, async_sharded_save=True)
-                request.execute_sync()
-            except Exception as exc:
-                error = "%s: %s" % (type(exc).__name__, exc)
-                if _needs_cuda(exc, torch):
-                    _say(out, "cannot run: this megatron-core's save path needs CUDA (%s)" % error)
-                    return CANNOT_RUN
-                _say(out, "FAILED after %.2f s: the save raised %s" % (time.perf_counter() - started, error))
-                if "_write_item()" in str(exc):
-                    _say(out, "this is the failure mcore-autopatch fixes; %s" % (info["advice"] or info["reason"]))
-                return FAILED
-            saved = time.perf_counter() - save_started
-            _say(out, "saved in %.2f s; loading it back into a zeroed tensor" % saved)
-            load_started = time.perf_counter()
-            target: Any = {KEY: ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(expected), replica_id=0)}
-            try:
-                loaded = dist_checkpointing.load(target, ckpt)
-            except Exception as exc:
-                _say(out, "FAILED: the load raised %s: %s" % (type(exc).__name__, exc))
-                return FAILED
-            if not torch.equal(loaded[KEY], expected):
-                _say(out, "FAILED: the loaded tensor differs from the saved one")
-                return FAILED
-            loaded_in = time.perf_counter() - load_started
+        with quiet_imports():
+            for name, build in (("plain", _plain_state), ("distributed-optimizer-style", _optimizer_state)):
+                code = _round_trip(out, name, build, torch, dist_checkpointing, info, folder)
+                if code != PASSED:
+                    return code
     finally:
         if own_group:
             dist.destroy_process_group()
-    _say(
-        out,
-        "passed: saved and loaded back equal in %.2f s (save %.2f s, load %.2f s)"
-        % (time.perf_counter() - started, saved, loaded_in),
-    )
+    _say(out, "passed: both states saved and loaded back equal in %.2f s" % (time.perf_counter() - started))
     return PASSED
+
+
+def _plain_state(torch: Any, zeros: bool) -> "tuple[Any, Any, str]":
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    expected = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    data = torch.zeros_like(expected) if zeros else expected.clone()
+    return {KEY: ShardedTensor.from_rank_offsets(KEY, data, replica_id=0)}, {KEY: expected}, "one 64x64 float32 tensor"
+
+
+def _optimizer_state(torch: Any, zeros: bool) -> "tuple[Any, Any, str]":
+    """A weight and its optimizer state as megatron-core's distributed optimizer saves it
+    (fully_sharded_model_space): the weight's ShardedTensor with a flattened_range."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    weight = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    state_key = "optimizer.state.exp_avg." + KEY
+    model = ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(weight) if zeros else weight.clone(), replica_id=0)
+    flat = (weight * 0.5).flatten()
+    optimizer = dataclasses.replace(
+        model, key=state_key, data=torch.zeros_like(flat) if zeros else flat.clone(), flattened_range=slice(0, 48)
+    )
+    return {KEY: model, state_key: optimizer}, {KEY: weight, state_key: flat}, "an 8x6 weight and its flattened state"
+
+
+def _round_trip(out: TextIO, name: str, build: Any, torch: Any, dist_checkpointing: Any, info: Any, folder: Any) -> int:
+    state, expected, what = build(torch, zeros=False)
+    with tempfile.TemporaryDirectory(prefix="mcore-autopatch-selftest-", dir=folder) as ckpt:
+        _say(out, "%s state: async save of %s (gloo, 1 rank) to %s" % (name, what, ckpt))
+        started = time.perf_counter()
+        try:
+            if "async_sharded_save" in inspect.signature(dist_checkpointing.save).parameters:
+                dist_checkpointing.save(state, ckpt, ("torch_dist", 1), async_sharded_save=True).execute_sync()
+            else:  # megatron-core 0.6: synchronous saves only
+                dist_checkpointing.save(state, ckpt, ("torch_dist", 1))
+        except Exception as exc:
+            error = "%s: %s" % (type(exc).__name__, exc)
+            if _needs_cuda(exc, torch):
+                _say(out, "cannot run: this megatron-core's save path needs CUDA (%s)" % error)
+                return CANNOT_RUN
+            _say(out, "FAILED after %.2f s: the save raised %s" % (time.perf_counter() - started, error))
+            if "_write_item()" in str(exc):
+                _say(out, "this is the failure mcore-autopatch fixes; %s" % (info["advice"] or info["reason"]))
+            return FAILED
+        lost = _lost_attributes(ckpt) if name != "plain" else []
+        if lost:
+            _say(
+                out,
+                "FAILED: saved, but the checkpoint lacks %s: a job with the distributed optimizer could not "
+                "resume from it (%s)" % (" and ".join(lost), _metadata_fix_reason()),
+            )
+            return FAILED
+        saved = time.perf_counter() - started
+        template, _, _ = build(torch, zeros=True)
+        try:
+            loaded = dist_checkpointing.load(template, ckpt)
+        except Exception as exc:
+            _say(out, "FAILED: the load raised %s: %s" % (type(exc).__name__, exc))
+            return FAILED
+        differing = sorted(k for k, v in expected.items() if not torch.equal(loaded[k], v))
+        if differing:
+            _say(out, "FAILED: loaded values differ from the saved ones: %s" % ", ".join(differing))
+            return FAILED
+        _say(
+            out,
+            "%s state: saved in %.2f s, loaded back equal in %.2f s"
+            % (name, saved, time.perf_counter() - started - saved),
+        )
+    return PASSED
+
+
+def _lost_attributes(ckpt: str) -> "list[str]":
+    """What megatron-core sets on the checkpoint Metadata but is missing from the file."""
+    from mcore_autopatch import checkpoint_metadata, fixes, metadata_fix
+
+    module = sys.modules.get(fixes.STRATEGIES_TORCH)
+    metadata_type = getattr(sys.modules.get(metadata_fix.TORCH_METADATA_MODULE), "Metadata", None)
+    if module is None:
+        return []
+    expected = metadata_fix.megatron_attributes(module, metadata_type)
+    written = checkpoint_metadata.read_metadata(ckpt)
+    return [name for name in expected if name != "all_local_plans" and not hasattr(written, name)]
+
+
+def _metadata_fix_reason() -> str:
+    from mcore_autopatch import report
+
+    rows = [r for r in report.status().get("fixes", []) if r["fix"] == "keep_mcore_data"]
+    return rows[0]["reason"] if rows else "see mcore-autopatch status"

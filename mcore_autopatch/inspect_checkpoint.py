@@ -1,0 +1,183 @@
+"""``mcore-autopatch inspect DIR`` and ``repair DIR``: what a torch_dist checkpoint holds.
+
+``inspect`` reads ``DIR/.metadata`` (torch must be importable) and says which torch wrote it,
+whether megatron-core's ``mcore_data`` is there, which tensors are N-D flattened (with their
+original shapes, and how each is known), and whether it will load in this environment.
+
+``repair`` writes the ``mcore_data`` a checkpoint lost back into its ``.metadata``, only when
+every N-D flattened tensor's original shape is proved (``checkpoint_metadata``); the file is
+torch's own ``Metadata`` pickled as torch pickles it, readable without mcore-autopatch. The
+old file is kept beside it; nothing is written when anything is not proved.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from mcore_autopatch import checkpoint_metadata as cm
+
+BACKUP_SUFFIX = ".before-mcore-autopatch-repair"
+OK, NOT_PROVABLE, CANNOT_RUN = 0, 1, 2
+
+
+def written_by(metadata: Any) -> str:
+    """Which torch releases write a Metadata like this one (from the fields torch adds)."""
+    version = vars(metadata).get("version")
+    if version is not None:
+        return "torch 2.9 or later (DCP format version %s)" % version
+    storage_meta = vars(metadata).get("storage_meta")
+    if storage_meta is not None and "modules" in vars(storage_meta):
+        return "torch 2.7 or 2.8 (no DCP format version)"
+    return "torch 2.6 or earlier (no DCP format version)"
+
+
+def megatron_files(folder: str) -> Dict[str, Any]:
+    try:
+        with open(os.path.join(folder, "metadata.json")) as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def load_verdict(report: Dict[str, Any], guard: Optional[Dict[str, Any]]) -> str:
+    """Whether a resume of this checkpoint works in this interpreter, and why."""
+    flattened = [t for t in report["tensors"] if t["kind"] != "regular"]
+    if report["mcore_data"]:
+        return "yes: mcore_data is there"
+    if not flattened:
+        return "yes: no N-D flattened tensor needs mcore_data"
+    unknown = [t for t in flattened if t["kind"] == "unknown"]
+    if guard is None:
+        return "cannot tell: megatron-core is not importable here"
+    if guard["needed"] is False:
+        return "cannot tell: %s" % guard["reason"]
+    if not guard["applied"]:
+        return "no: a resume stops with AttributeError: 'Metadata' object has no attribute 'mcore_data' (%s)" % (
+            "mcore-autopatch's load guard is not active in this interpreter"
+        )
+    if unknown:
+        return (
+            "only with the tensor- and pipeline-parallel sizes of the save (any data-parallel size): %d tensor(s) "
+            "have no provable original shape, and another layout stops with a clear error" % len(unknown)
+        )
+    return "yes: mcore-autopatch's load guard recovers the original shapes (each proved below)"
+
+
+def inspect(folder: str, guard: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    metadata = cm.read_metadata(folder)
+    tensors = cm.classify(metadata)
+    report: Dict[str, Any] = {
+        "checkpoint": os.path.abspath(folder),
+        "written_by": written_by(metadata),
+        "dcp_version": vars(metadata).get("version"),
+        "megatron_metadata_json": megatron_files(folder),
+        "mcore_data": cm.has_mcore_data(metadata),
+        "all_local_plans": vars(metadata).get("all_local_plans") is not None,
+        "tensors": [
+            {
+                "key": t.key,
+                "saved_shape": list(t.saved_shape),
+                "kind": t.kind,
+                "original_shape": list(t.shape) if t.shape else None,
+                "evidence": t.evidence,
+            }
+            for t in tensors
+        ],
+    }
+    report["n_d_flattened"] = [t["key"] for t in report["tensors"] if t["kind"] == "flattened"]
+    report["unprovable"] = [t["key"] for t in report["tensors"] if t["kind"] == "unknown"]
+    report["loads_here"] = load_verdict(report, guard)
+    report["repairable"] = (not report["mcore_data"]) and bool(report["n_d_flattened"]) and not report["unprovable"]
+    return report
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    lines = ["checkpoint %s" % report["checkpoint"]]
+    rows = [
+        ("written by", report["written_by"]),
+        ("mcore_data", "present" if report["mcore_data"] else "MISSING"),
+        ("all_local_plans", "present" if report["all_local_plans"] else "missing"),
+        (
+            "tensors",
+            "%d (%d N-D flattened, %d look flattened without a provable shape)"
+            % (len(report["tensors"]), len(report["n_d_flattened"]), len(report["unprovable"])),
+        ),
+        ("loads here", report["loads_here"]),
+    ]
+    lines += ["  %-16s %s" % (label + ":", value) for label, value in rows]
+    for t in report["tensors"]:
+        if t["kind"] == "regular":
+            continue
+        shape = cm.shape_text(t["original_shape"]) if t["original_shape"] else "unknown"
+        lines.append(
+            "  %s %s: saved as %s, original shape %s (%s)"
+            % (
+                "N-D flattened" if t["kind"] == "flattened" else "looks flattened",
+                t["key"],
+                cm.shape_text(t["saved_shape"]),
+                shape,
+                t["evidence"],
+            )
+        )
+    if report["repairable"]:
+        lines.append(
+            "  every original shape is proved: `mcore-autopatch repair %s` writes mcore_data back"
+            % report["checkpoint"]
+        )
+    return "\n".join(lines)
+
+
+def repair(folder: str, dry_run: bool = False) -> Tuple[int, List[str]]:
+    """Write the proved ``mcore_data`` into ``folder/.metadata``; (exit code, lines to print)."""
+    metadata = cm.read_metadata(folder)
+    path = os.path.join(folder, cm.METADATA_FILE)
+    if cm.has_mcore_data(metadata):
+        return OK, ["%s already has mcore_data: nothing to repair" % path]
+    tensors = cm.classify(metadata)
+    unknown = [t.key for t in tensors if t.kind == "unknown"]
+    if unknown:
+        return NOT_PROVABLE, [
+            "not repaired: the original shapes of %d tensor(s) cannot be proved from the checkpoint (%s); "
+            "%s is unchanged" % (len(unknown), ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else ""), path)
+        ]
+    mcore_data = cm.recovered_mcore_data(metadata, tensors) or {}
+    flattened = [t for t in tensors if t.kind == "flattened"]
+    lines = ["%s: mcore_data for %d tensors, %d of them N-D flattened:" % (path, len(mcore_data), len(flattened))]
+    lines += ["  %s: %s (%s)" % (t.key, cm.shape_text(t.shape or ()), t.evidence) for t in flattened]
+    if dry_run:
+        return OK, [*lines, "dry run: nothing written"]
+    metadata.mcore_data = mcore_data
+    backup = path + BACKUP_SUFFIX
+    temporary = path + ".mcore-autopatch-tmp"
+    with open(temporary, "wb") as f:
+        pickle.dump(metadata, f)  # as torch's FileSystemWriter.finish pickles it
+        f.flush()
+        os.fsync(f.fileno())
+    if not os.path.exists(backup):
+        shutil.copy2(path, backup)
+    os.replace(temporary, path)
+    check = cm.read_metadata(folder)
+    if getattr(check, "mcore_data", None) != mcore_data:
+        return NOT_PROVABLE, [
+            *lines,
+            "the rewritten %s does not read back as written; the old one is %s" % (path, backup),
+        ]
+    return OK, [*lines, "written; the previous file is kept as %s" % backup]
+
+
+def guard_state() -> Optional[Dict[str, Any]]:
+    """The load guard's row of ``status`` in this interpreter (importing megatron-core's
+    strategies the normal way, so an active hook applies it), or None without megatron."""
+    from mcore_autopatch import fixes, report
+
+    try:
+        __import__(fixes.STRATEGIES_TORCH)
+    except Exception:
+        return None
+    fix = next(f for f in fixes.FIXES if f.name == "load_without_mcore_data")
+    module = sys.modules.get(fix.watches)
+    return report.fix_status(fix, module is not None, "auto")
