@@ -129,8 +129,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import sys
+
     try:
-        return _run(argv)
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is handled below
+        return code
     except BrokenPipeError:
         # The reader went away (``status --json | head -1``): stop quietly, as command-line
         # tools do, and keep Python from reporting the pipe again when it flushes at exit.

@@ -63,8 +63,15 @@ class Evaluation(NamedTuple):
 
 
 def reads_mcore_data(function: Any) -> bool:
+    """Whether ``function``'s code (or code nested in it) reads an attribute ``mcore_data``."""
     code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
-    return code is not None and "mcore_data" in code.co_names
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        if "mcore_data" in current.co_names:
+            return True
+        stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+    return False
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:

@@ -28,7 +28,7 @@ import dataclasses
 import dis
 import sys
 from types import ModuleType
-from typing import Any, Callable, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 from mcore_autopatch import policy
 
@@ -47,6 +47,7 @@ class FinishReading(NamedTuple):
     drops: Optional[bool]  # None: cannot tell
     text: str
     target: Optional[str] = None  # the global of finish's module to rebind
+    namespace: Optional[Dict[str, Any]] = None  # that module's globals (finish.__globals__)
 
 
 def unwrap(function: Any) -> Any:
@@ -71,7 +72,10 @@ def read_finish(fs: ModuleType) -> FinishReading:
         module_globals = getattr(finish, "__globals__", {})
         if "dataclasses" in names and _is_dataclasses(module_globals.get("dataclasses")):
             return FinishReading(
-                True, "%s rebuilds the Metadata with dataclasses.replace" % where, target="dataclasses"
+                True,
+                "%s rebuilds the Metadata with dataclasses.replace" % where,
+                target="dataclasses",
+                namespace=module_globals,
             )
         return FinishReading(None, "%s calls a replace() mcore-autopatch does not know" % where)
     if "Metadata" in names:
@@ -202,25 +206,32 @@ class DataclassesKeepingAttributes:
 
 
 def is_applied(fs: Optional[ModuleType]) -> bool:
-    return bool(getattr(vars(fs).get("dataclasses") if fs is not None else None, MARK, False))
+    """Whether the ``dataclasses`` global that torch's ``finish`` uses is our stand-in."""
+    if fs is None:
+        return False
+    finish = unwrap(getattr(getattr(fs, "FileSystemWriter", None), "finish", None))
+    namespace = getattr(finish, "__globals__", None) or vars(fs)
+    return bool(getattr(namespace.get("dataclasses"), MARK, False))
 
 
 def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
-    """Decide, and rebind torch's filesystem ``dataclasses`` global when needed."""
+    """Decide, and rebind the ``dataclasses`` global of the module torch's ``finish`` is
+    defined in (torch's filesystem module) when needed."""
     ev = evaluate(strategies_torch, mode)
     decision = ev.decision
-    if not decision.needed or ev.fs is None or ev.finish is None or ev.metadata_type is None:
+    finish = ev.finish
+    if not decision.needed or finish is None or finish.namespace is None or ev.metadata_type is None:
         return decision, is_applied(ev.fs)
-    namespace = vars(ev.fs)
-    current = namespace.get(ev.finish.target or "")
+    namespace = finish.namespace
+    current = namespace.get("dataclasses")
     if getattr(current, MARK, False):
         if set(ev.attributes) <= set(getattr(current, MARK)):
             return decision, True
         current = dataclasses  # another megatron-core sets more: rebuild around the real module
     elif current is not dataclasses:
+        where = namespace.get("__name__", "torch's filesystem module")
         return policy.Decision(
-            True,
-            "%s; but %s.dataclasses is already %r, so it is left alone" % (decision.reason, ev.fs.__name__, current),
+            True, "%s; but %s.dataclasses is already %r, so it is left alone" % (decision.reason, where, current)
         ), False
     namespace["dataclasses"] = DataclassesKeepingAttributes(current, ev.metadata_type, ev.attributes)
     return decision, True

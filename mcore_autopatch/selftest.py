@@ -9,7 +9,7 @@ It runs megatron-core's own writer through the normal import system, so the
 fix is in play exactly when it would be in a job started the same way. With the fix
 switched off on an affected stack it fails the way training jobs fail, and says so.
 
-Exit codes: 0 the round trip is equal, 1 it failed, 2 it cannot run here (torch or
+Exit codes: 0 both round trips are equal, 1 one failed, 2 it cannot run here (torch or
 megatron-core missing, or a megatron-core whose save path needs CUDA on a CPU machine).
 """
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Optional, TextIO
 
-from mcore_autopatch import WRITER_MODULE
+from mcore_autopatch import IMPORTER_MODULE, WRITER_MODULE
 
 PASSED, FAILED, CANNOT_RUN = 0, 1, 2
 KEY = "mcore_autopatch.selftest.weight"
@@ -50,18 +50,27 @@ def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
             # The save would import the writer later; importing it now, the same way, lets
             # the report below say what the save is about to run.
             importlib.import_module(WRITER_MODULE)
+            importlib.import_module(IMPORTER_MODULE)  # megatron-core's planner and loader: the mcore_data fixes
     except Exception as exc:
         _say(out, "cannot run: %s: %s" % (type(exc).__name__, exc))
         return CANNOT_RUN
 
     from mcore_autopatch import report
 
-    info = report.status()  # the writer module is imported now: this is the fix's state for the save
+    info = report.status()  # the writer module is imported now: this is the fixes' state for the save
     _say(
         out,
         "torch %s, megatron-core %s; fix needed: %s, applied: %s (%s)"
         % (info["torch"], info["megatron_core"], _YES_NO[info["needed"]], _YES_NO[info["applied"]], info["reason"]),
     )
+    others = [r for r in info.get("fixes", []) if r["library"] == "megatron-core" and r["fix"] != "write_item"]
+    if others:
+        _say(
+            out,
+            "; ".join(
+                "%s needed: %s, applied: %s" % (r["fix"], _YES_NO[r["needed"]], _YES_NO[r["applied"]]) for r in others
+            ),
+        )
     own_group = not dist.is_initialized()
     if own_group:
         try:
