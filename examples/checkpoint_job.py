@@ -16,6 +16,7 @@ with a file store in the checkpoint folder (no network).
 import argparse
 import atexit
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -228,14 +229,20 @@ def job(args):
     sharded, template, expected = make_state(args.state, rank, world, args.mib)
     started = time.perf_counter()
     try:
-        request = dist_checkpointing.save(
-            sharded, folder, sharded_strategy=save_strategy(args.thread_count), async_sharded_save=True
-        )
-        result["write_item_replaced"] = write_item_replaced()
-        result.update(run_request(request, args.worker))
+        if "async_sharded_save" in inspect.signature(dist_checkpointing.save).parameters:
+            request = dist_checkpointing.save(
+                sharded, folder, sharded_strategy=save_strategy(args.thread_count), async_sharded_save=True
+            )
+            result["write_item_replaced"] = write_item_replaced()
+            result.update(run_request(request, args.worker))
+        else:  # megatron-core 0.6: synchronous saves only, and zarr by default
+            strategy = save_strategy(args.thread_count) or ("torch_dist", 1)
+            dist_checkpointing.save(sharded, folder, sharded_strategy=strategy)
+            result["write_item_replaced"] = write_item_replaced()
     except Exception as exc:
         result["error"] = "%s: %s" % (type(exc).__name__, exc)
         result["traceback"] = traceback.format_exc()
+        result.setdefault("write_item_replaced", write_item_replaced())  # a synchronous save raised
         result["metadata_written"] = os.path.exists(os.path.join(folder, ".metadata"))
         return result
     result["save_seconds"] = time.perf_counter() - started
@@ -269,31 +276,38 @@ def without_launch(argv):
     return out
 
 
-def launch(args, argv):
-    """Start ``args.launch`` ranks of this script, torchrun-style, and merge their results."""
-    child_argv = [a for a in without_launch(argv) if a != "--json"]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.launch))
+def run_ranks(script, child_argv, count, timeout):
+    """Start ``count`` ranks of ``script`` with ``child_argv`` (torchrun-style environment)
+    and return each rank's last JSON line (tests/job_path/training_job.py uses it too)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(count))
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *child_argv, "--dir", args.dir, "--json"],
+            [sys.executable, os.path.abspath(script), *child_argv, "--json"],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
         )
-        for r in range(args.launch)
+        for r in range(count)
     ]
     ranks = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=args.rank_timeout)
+            out, _ = p.communicate(timeout=timeout)
             lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
             ranks.append(json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode})
     except subprocess.TimeoutExpired:
-        ranks.append({"ok": False, "error": "a rank did not finish within %s s" % args.rank_timeout})
+        ranks.append({"ok": False, "error": "a rank did not finish within %s s" % timeout})
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return ranks
+
+
+def launch(args, argv):
+    """Start ``args.launch`` ranks of this script, torchrun-style, and merge their results."""
+    child_argv = [a for a in without_launch(argv) if a != "--json"]
+    ranks = run_ranks(__file__, [*child_argv, "--dir", args.dir], args.launch, args.rank_timeout)
     return {
         "ok": all(r["ok"] for r in ranks),
         "error": next((r["error"] for r in ranks if r["error"]), None),

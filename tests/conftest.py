@@ -36,7 +36,14 @@ TORCH_SELECTION_ENV = "MCORE_AUTOPATCH_TEST_TORCH"
 CPU_TORCH = "2.13.0"  # the e2e venv's torch (the CPU wheel on this machine's disk)
 # Every torch release the end-to-end matrix runs on, oldest first.
 TORCH_RELEASES = sorted([*envs.TORCH_MATRIX, CPU_TORCH], key=lambda r: tuple(int(p) for p in r.split(".")))
-AFFECTED = ["0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.12.1", "0.12.2", "0.12.3"]
+# Every release that makes the old call (0.6-0.11: four arguments; 0.12: transforms first).
+AFFECTED = ["0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.12.1", "0.12.2", "0.12.3"]
+# The plain round trips run every release on torch 2.13.0 (the CPU wheel), and these on every
+# real CUDA torch: the oldest (synchronous saves only), the four-argument writer of 0.9-0.10,
+# and 0.12.3's writer; 0.11.0 and 0.12.1 (0.12.0 and 0.12.2 ship the same checkpointing
+# modules, tests/test_e2e_source_trees.py) run on every torch through the job path
+# (tests/test_e2e_job_path.py), 0.8.0 through the selftest on 2.9.0 and 2.11.0.
+AFFECTED_ON_EVERY_TORCH = ["0.6.0", "0.9.0", "0.12.3"]
 FIXED_SAVING = ["0.13.0", "0.13.1"]
 FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
 REFERENCE = envs.REFERENCE_MEGATRON  # native serialization_format support: the byte oracle
@@ -118,6 +125,14 @@ def torch_params(releases: Optional[List[str]] = None) -> List[Any]:
     return [pytest.param(r, id="torch" + r) for r in (releases or TORCH_RELEASES)]
 
 
+def matrix_params(everywhere: List[str], cpu_only: List[str], what: str) -> List[Any]:
+    """(version, torch_release) pairs: ``everywhere`` on every torch, ``cpu_only`` on 2.13.0,
+    each marked as a cell of the compatibility table verifying ``what``."""
+    pairs = [(v, t) for t in TORCH_RELEASES for v in everywhere] + [(v, CPU_TORCH) for v in cpu_only]
+    pairs.sort(key=lambda pair: (TORCH_RELEASES.index(pair[1]), tuple(int(p) for p in pair[0].split("."))))
+    return [pytest.param(v, t, marks=pytest.mark.compat(v, what), id="%s-torch%s" % (v, t)) for v, t in pairs]
+
+
 def pytest_runtest_setup(item: Any) -> None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     for mark in item.iter_markers("compat"):
@@ -182,6 +197,21 @@ def torch_python(wheel_path: str) -> Callable[[str], str]:
                 pytest.skip("torch %s not selected for this run (%s=%r)" % (release, TORCH_SELECTION_ENV, chosen))
             pytest.skip("torch %s venv missing: run `make test-env` (python3 tools/envs.py torch)" % release)
         return str(venvs[release])
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def python_without_wheel(wheel_path: str) -> Callable[[str], str]:
+    """``python_without_wheel(release)``: the cached venv of torch ``release`` itself, which
+    never has the wheel (this run installs it into clones): an image without mcore-autopatch."""
+
+    def get(release: str) -> str:
+        if release == CPU_TORCH:
+            return envs.venv_python(envs.E2E)
+        if release not in selected_torch_releases() or not envs.torch_ready(release):
+            pytest.skip("torch %s venv not part of this run" % release)
+        return envs.venv_python(envs.torch_venv_folder(release))
 
     return get
 
@@ -292,17 +322,33 @@ def reference_digests(torch_python: Callable[[str], str]) -> Any:
     return get
 
 
-def _shared_reference(run_dir: str, python: str, state: str, thread_count: Optional[int], torch: str) -> Any:
+def shared_once(name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per test run, whichever xdist worker asks first; its JSON result is
+    kept in the run folder under ``name`` (the other worker waits on the same lock)."""
     import fcntl
-    import tempfile
 
-    path = os.path.join(run_dir, "reference-%s-%s-torch%s.json" % (state, thread_count, torch))
+    path = os.path.join(os.environ[RUN_DIR_ENV], "shared-%s.json" % name)
     with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the same oracle
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
-        folder = tempfile.mkdtemp(prefix="reference-", dir=run_dir)
+        value = compute()
+        with open(path + ".tmp", "w") as f:
+            json.dump(value, f)
+        os.replace(path + ".tmp", path)
+        return value
+
+
+def run_dir_folder(prefix: str) -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=prefix, dir=os.environ[RUN_DIR_ENV])
+
+
+def _shared_reference(run_dir: str, python: str, state: str, thread_count: Optional[int], torch: str) -> Any:
+    def save() -> Any:
+        folder = run_dir_folder("reference-")
         args = [JOB, "--json", "--no-load", "--dir", folder, "--state", state]
         if thread_count is not None:
             args += ["--thread-count", str(thread_count)]
@@ -311,7 +357,45 @@ def _shared_reference(run_dir: str, python: str, state: str, thread_count: Optio
         result = last_json(proc)
         assert result["ok"], result
         assert result["write_item_replaced"] is False
-        with open(path + ".tmp", "w") as f:
-            json.dump(result["files"], f)
-        os.replace(path + ".tmp", path)
         return result["files"]
+
+    return shared_once("reference-%s-%s-torch%s" % (state, thread_count, torch), save)
+
+
+# --- a training job's checkpoint path (tests/job_path/training_job.py) ----------------------
+
+TRAINING_JOB = os.path.join(ROOT, "tests", "job_path", "training_job.py")
+
+
+def run_training_job(
+    python: str,
+    version: str,
+    phase: str,
+    root: str,
+    *args: str,
+    ranks: int = 2,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 600,
+) -> Dict[str, Any]:
+    """Run the job's ``phase`` (save / resume) with ``ranks`` gloo ranks; its merged JSON.
+
+    On a machine without CUDA the job redirects megatron-core's few CUDA calls to the CPU
+    (tests/job_path/cpu_stand_in_for_cuda.py); on a GPU machine that switch does nothing.
+    """
+    environment = clean_env(PYTHONPATH=mcore_folder(version), CPU_STAND_IN_FOR_CUDA="1", **(env or {}))
+    command = [TRAINING_JOB, "--launch", str(ranks), phase, "--root", root, "--json", *args]
+    proc = run_python(python, command, environment, timeout=timeout)
+    result = last_json(proc)
+    result["stderr"] = proc.stderr
+    return result
+
+
+def job_failure(result: Dict[str, Any]) -> str:
+    """What to print when a job that should have worked did not."""
+    ranks = result.get("ranks") or []
+    tracebacks = [r.get("traceback") or "" for r in ranks]
+    return "%s\n%s\nstderr:\n%s" % (
+        result.get("error"),
+        "\n".join(tracebacks)[-6000:],
+        result.get("stderr", "")[-3000:],
+    )

@@ -185,7 +185,10 @@ def test_fixed_release_check_exits_0_fix_not_needed(e2e_python):
     """megatron-core 0.13.1 passes serialization_format itself: nothing applied, nothing wrong."""
     check = cli(e2e_python, ["check"], "0.13.1")
     assert check.returncode == 0, check.stderr
-    assert one_line(check) == "ok: fix not needed (megatron-core 0.13.1 passes serialization_format itself)"
+    line = one_line(check)
+    assert line.startswith("ok: fix not needed (megatron-core 0.13.1 passes serialization_format itself); ")
+    # The guard for loading checkpoints that lost mcore_data is active (0.13.1 reads it).
+    assert "; megatron-core load_without_mcore_data active (megatron-core 0.13.1 needs mcore_data" in line
     info = rows(cli(e2e_python, ["status"], "0.13.1").stdout)
     assert info["fix needed"] == "no: megatron-core 0.13.1 passes serialization_format itself"
     assert info["fix applied"] == "no"
@@ -326,7 +329,9 @@ def test_selftest_with_the_fix_round_trip_passes_exit_0(e2e_python, version):
     proc = cli(e2e_python, ["selftest"], version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "megatron-core %s; fix needed: yes, applied: yes" % version in proc.stdout
-    assert re.search(r"passed: saved and loaded back equal in \d+\.\d\d s \(save \d+\.\d\d s, load", proc.stdout)
+    for state in ("plain", "distributed-optimizer-style"):
+        assert re.search(r"%s state: saved in \d+\.\d\d s, loaded back equal in \d+\.\d\d s" % state, proc.stdout)
+    assert re.search(r"passed: both states saved and loaded back equal in \d+\.\d\d s", proc.stdout)
     assert "FAILED" not in proc.stdout
 
 
@@ -448,14 +453,60 @@ def test_console_script_works_like_python_m(e2e_python, wheel_path):
 
 
 def test_log_info_reports_the_decision_once_on_stderr_with_pid(e2e_python):
-    """MCORE_AUTOPATCH_LOG=info: one line on stderr, naming the pid; stdout stays pure output."""
+    """MCORE_AUTOPATCH_LOG=info: one line per fix on stderr, naming the pid and the fix;
+    stdout stays pure output."""
     proc = cli(e2e_python, ["status", "--json"], "0.12.1", MCORE_AUTOPATCH_LOG="info")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)  # nothing but the JSON on stdout
-    assert our_log_lines(proc.stderr) == ["mcore_autopatch[pid %d] INFO: applied: %s" % (data["pid"], data["reason"])]
+    expected = [
+        "mcore_autopatch[pid %d] INFO: %s %s: %s: %s"
+        % (data["pid"], row["library"], row["fix"], "applied" if row["applied"] else "not applied", row["reason"])
+        for row in data["fixes"]
+        if row["library"] == "megatron-core"
+    ]
+    assert our_log_lines(proc.stderr) == expected
+    assert expected[0] == "mcore_autopatch[pid %d] INFO: megatron-core write_item: applied: %s" % (
+        data["pid"],
+        data["reason"],
+    )
 
     check = cli(e2e_python, ["check"], "0.12.1", MCORE_AUTOPATCH_LOG="debug")
     assert check.returncode == 0
     assert one_line(check).startswith("ok: fix active")
     assert "mcore_autopatch[" not in check.stdout
-    assert len([ln for ln in our_log_lines(check.stderr) if " INFO: applied: " in ln]) == 1
+    assert len([ln for ln in our_log_lines(check.stderr) if " INFO: megatron-core write_item: applied: " in ln]) == 1
+
+
+# --- a reader that goes away ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", ["head -1", "true"])
+def test_status_json_into_a_closed_pipe_stops_quietly(e2e_python, tmp_path, reader):
+    """`status --json | head -1` and `| true` (a reader that closes before the output
+    comes): no traceback, no 'Exception ignored' note; the reader's output as usual."""
+    stderr = tmp_path / "stderr.txt"
+    command = '"%s" -m mcore_autopatch status --json 2>"%s" | %s' % (e2e_python, stderr, reader)
+    env = clean_env(PYTHONPATH=mcore_folder("0.12.1"))
+    proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert stderr.read_text() == ""
+    assert proc.stdout == ("{\n" if reader == "head -1" else "")
+
+
+def test_cli_main_returns_141_and_prints_nothing_when_stdout_is_a_closed_pipe(monkeypatch, capsys):
+    """The same, deterministic: every write to stdout raises BrokenPipeError."""
+    import io
+    import sys
+
+    from mcore_autopatch import cli
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            raise io.UnsupportedOperation("fileno")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli.main(["check"]) == 141
+    assert capsys.readouterr().err == ""

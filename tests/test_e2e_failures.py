@@ -28,7 +28,9 @@ pytestmark = pytest.mark.e2e
 INJECTED = "Input/output error (injected by checkpoint_job --fail-fsync)"
 MISSING_FORMAT = "_write_item() missing 1 required positional argument: 'serialization_format'"
 MISSING_TWO = "_write_item() missing 2 required positional arguments: 'storage_key' and 'serialization_format'"
-APPLIED = "INFO: applied: megatron-core"  # MCORE_AUTOPATCH_LOG=info: the fix was active in the job
+APPLIED = (
+    "INFO: megatron-core write_item: applied: megatron-core"  # MCORE_AUTOPATCH_LOG=info: the fix was active in the job
+)
 HANG_LIMIT = 300  # seconds; a save takes a few. Past this the run is a hang, not a slow save.
 NOBODY = "65534"
 

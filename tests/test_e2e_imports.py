@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "import_scripts")
 VERSION = "0.12.1"
 MISSING_FORMAT = "_write_item() missing 1 required positional argument: 'serialization_format'"
-APPLIED_LINE = "INFO: applied:"
+APPLIED_LINE = "INFO: megatron-core write_item: applied:"
 
 
 def run_script(

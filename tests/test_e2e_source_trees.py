@@ -87,3 +87,33 @@ def test_tree_with_the_fix_under_an_older_label_is_left_alone(run_job, reference
         "megatron-core 0.12.1 passes serialization_format itself "
         "(read from its writer's code, %s; by its version alone it would not)" % CALLER
     )
+
+
+# The modules of the checkpoint path, as megatron-core's dist_checkpointing package names them.
+CHECKPOINT_MODULES = (
+    "strategies/filesystem_async.py",
+    "strategies/torch.py",
+    "strategies/state_dict_saver.py",
+    "strategies/async_utils.py",
+    "strategies/fully_parallel.py",
+    "strategies/resharding.py",
+    "exchange_utils.py",
+    "mapping.py",
+    "serialization.py",
+)
+
+
+def test_0_12_0_to_0_12_2_ship_the_same_checkpoint_modules():
+    """Why the real-CUDA-torch columns run 0.12.1 for these three (tests/conftest.py)."""
+    import hashlib
+
+    def digests(release: str) -> "dict[str, str]":
+        root = os.path.join(mcore_folder(release), "megatron", "core", "dist_checkpointing")
+        with_digest = {}
+        for name in CHECKPOINT_MODULES:
+            with open(os.path.join(root, name), "rb") as f:
+                with_digest[name] = hashlib.sha256(f.read()).hexdigest()
+        return with_digest
+
+    assert digests("0.12.0") == digests("0.12.1") == digests("0.12.2")
+    assert digests("0.12.3")["strategies/filesystem_async.py"] != digests("0.12.1")["strategies/filesystem_async.py"]

@@ -1,0 +1,473 @@
+"""A training job's checkpoint path, as Megatron-LM's megatron/training/checkpointing.py
+(core_r0.12.1) runs it, with real megatron-core APIs and a model-free state.
+
+It never imports mcore_autopatch: whether it works depends only on what is installed.
+
+    training_job.py --launch 2 save   --root DIR [--iterations 3] [--persistent]
+    training_job.py --launch 2 resume --root DIR [--split shifted] [--then-save]
+    training_job.py --launch 1 resume --root DIR        # another data-parallel split
+
+save: each rank builds a model-style state (a tensor sharded across the ranks like a
+tensor-parallel weight, layer-stacked and 1-D weights replicated across data-parallel ranks,
+a ShardedObject, common state) and a distributed-optimizer-style state (the
+``fully_sharded_model_space`` layout: ``optimizer.state.<state>.<param key>`` tensors made
+from each model ShardedTensor with ``dataclasses.replace`` and a ``flattened_range``, the
+data-parallel ranks holding uneven pieces). Then, as the training loop does: the default
+torch_dist save strategy with the cached checkpoint structure
+(``--ckpt-assume-constant-structure``) inside ``FullyParallelSaveStrategyWrapper``, kept for
+later saves; ``dist_checkpointing.save(..., async_sharded_save=True)`` with a finalize function
+that writes the tracker file; ``AsyncCallsQueue.schedule_async_request``; training steps
+that call ``maybe_finalize_async_calls(blocking=False)``; finalized before the next save.
+
+resume: a fresh job reads the tracker file and the common state, loads the last checkpoint
+through ``FullyParallelLoadStrategyWrapper`` (strict: assume_ok_unexpected, Megatron-LM's
+default) and compares every value with what the save held. ``--then-save`` saves once more,
+plugging the load strategy's metadata into the save strategy as checkpointing.py does, and
+reports whether megatron-core reused it.
+
+Values depend on the iteration, never on the layout, so a job with any data-parallel split
+can check what it loaded. One JSON line per job (``--json``).
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+import warnings
+import zlib
+
+# Megatron-LM runs this path on GPUs. On a CPU-only machine the few CUDA calls megatron-core
+# makes on it are redirected (see cpu_stand_in_for_cuda.py) in every rank and in the
+# processes ranks fork or spawn (they inherit RANK); never in the launcher.
+if os.environ.get("CPU_STAND_IN_FOR_CUDA") == "1" and "RANK" in os.environ:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cpu_stand_in_for_cuda
+
+    cpu_stand_in_for_cuda.install()
+
+TRACKER = "latest_checkpointed_iteration.txt"
+HIDDEN, VOCAB, LAYERS = 6, 8, 2
+STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=["save", "resume"])
+    p.add_argument("--root", required=True, help="the job's checkpoint folder (iter_XXXXXXX below it)")
+    p.add_argument("--iterations", type=int, default=3, help="save: how many checkpoints")
+    p.add_argument("--persistent", action="store_true", help="megatron's persistent (spawned) checkpoint worker")
+    p.add_argument("--split", choices=["even", "shifted"], default="even", help="data-parallel split of the optimizer")
+    p.add_argument("--state", choices=["full", "optimizer-only"], default="full")
+    p.add_argument(
+        "--whole-1d",
+        action="store_true",
+        help="a 1-D weight's optimizer state lies wholly in rank 0's piece (megatron-core 0.8 cannot save "
+        "a 1-D flattened tensor split among ranks: torch rejects the shard volume)",
+    )
+    p.add_argument("--then-save", action="store_true", help="resume: save once more, reusing the loaded metadata")
+    p.add_argument("--device", default="cpu", help="where the state lives (cuda on a GPU machine)")
+    p.add_argument("--launch", type=int, metavar="N", help="start N ranks of this job (torchrun-style env)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--rank-timeout", type=float, default=900)
+    return p.parse_args(argv)
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+def global_value(key, shape, iteration, dtype):
+    import torch
+
+    numel = 1
+    for s in shape:
+        numel *= s
+    base = torch.arange(numel, dtype=torch.float64).reshape(shape) * 0.25
+    return (base + iteration * 10 + zlib.crc32(key.encode()) % 97).to(dtype)
+
+
+def model_params(rank, world):
+    """(key, global shape, dtype, kind): the model-style weights."""
+    import torch
+
+    return [
+        ("embedding.word_embeddings.weight", (VOCAB, HIDDEN), torch.bfloat16, "sharded"),
+        ("decoder.layers.mlp.linear_fc1.weight", (LAYERS, HIDDEN, 4), torch.bfloat16, "stacked"),
+        ("decoder.final_layernorm.weight", (HIDDEN,), torch.float32, "replicated"),
+    ]
+
+
+def model_sharded_tensors(iteration, rank, world, device, zeros=False):
+    """{key: ShardedTensor or list of them (layer-stacked)}: the model state of one rank."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for key, shape, dtype, kind in model_params(rank, world):
+        full = global_value(key, shape, iteration, dtype)
+        if zeros:
+            full = torch.zeros_like(full)
+        if kind == "sharded":  # split along dim 0 across the ranks, like a tensor/expert-parallel weight
+            rows = shape[0] // world
+            local = full[rank * rows : (rank + 1) * rows].clone().to(device)
+            out[key] = ShardedTensor.from_rank_offsets(key, local, (0, rank, world), replica_id=(0, 0, 0))
+        elif kind == "stacked":  # one tensor per layer, stacked on a prepended axis, replicated
+            out[key] = [
+                ShardedTensor.from_rank_offsets(
+                    key,
+                    full[layer].clone().to(device),
+                    (0, layer, shape[0]),
+                    replica_id=(0, 0, rank),
+                    prepend_axis_num=1,
+                )
+                for layer in range(shape[0])
+            ]
+        else:  # replicated across the data-parallel ranks
+            out[key] = ShardedTensor.from_rank_offsets(key, full.clone().to(device), replica_id=(0, 0, rank))
+    return out
+
+
+def dp_bounds(numel, world, split):
+    """Where each data-parallel rank's piece of a flattened buffer starts (uneven, like buckets)."""
+    if world == 1:
+        return [0, numel]
+    share = 0.6 if split == "even" else 0.3
+    first = max(1, min(numel - 1, int(numel * share)))
+    return [0, first, numel] if world == 2 else [numel * r // world for r in range(world + 1)]
+
+
+def optimizer_sharded_tensors(iteration, rank, world, device, split, model, zeros=False, whole_1d=False):
+    """The distributed optimizer's fully_sharded_model_space state for the ``model`` tensors,
+    built the way megatron-core builds it: ``replace`` of the model ShardedTensor with the
+    optimizer's key, its flattened piece and a flattened_range. A replicated weight's
+    flattened buffer is split unevenly among the data-parallel ranks; the sharded weight's
+    data-parallel group is its rank alone (as an expert-parallel weight's), which holds all of it."""
+    import torch
+
+    kinds = {key: kind for key, _shape, _dtype, kind in model_params(rank, world)}
+    out = {}
+    for key, sh_tens in model.items():
+        pieces = sh_tens if isinstance(sh_tens, list) else [sh_tens]
+        for state in STATES:
+            state_key = "optimizer.state.%s.%s" % (state, key)
+            full = global_value(state_key, pieces[0].global_shape, iteration, torch.float32)
+            states = []
+            for piece in pieces:
+                local = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
+                index = tuple(slice(o, o + s) for o, s in zip(piece.global_offset, local))
+                flat = full[index].reshape(piece.local_shape).flatten()
+                if kinds[key] == "sharded":
+                    mine = (0, flat.numel())
+                elif whole_1d and len(piece.global_shape) == 1:
+                    if rank != 0:
+                        continue  # all of it lies in rank 0's piece of the buffer
+                    mine = (0, flat.numel())
+                else:
+                    bounds = dp_bounds(flat.numel(), world, split)
+                    mine = (bounds[rank], bounds[rank + 1])
+                data = flat[mine[0] : mine[1]].clone()
+                if zeros:
+                    data = torch.zeros_like(data)
+                states.append(
+                    dataclasses.replace(
+                        piece,
+                        key=state_key,
+                        data=data.to(device),
+                        dtype=data.dtype,
+                        flattened_range=slice(*mine),
+                        replica_id=(0, 0, 0),
+                    )
+                )
+            if states:
+                out["%s.%s" % (state, key)] = states if isinstance(sh_tens, list) else states[0]
+    return out
+
+
+def full_state(args, iteration, rank, world, zeros=False):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    kind, device = args.state, args.device
+    model = model_sharded_tensors(iteration, rank, world, device, zeros)
+    optimizer = optimizer_sharded_tensors(iteration, rank, world, device, args.split, model, zeros, args.whole_1d)
+    state = {"optimizer": {"state": optimizer}}
+    if kind == "full":
+        state["model"] = model
+        rng = None if zeros else {"random_rng_state": [iteration, 7, 11], "cuda_rng_state": "n/a"}
+        state["rng_state"] = ShardedObject("rng_state", rng, (1,), (0,), replica_id=rank)
+    state["iteration"] = None if zeros else iteration
+    state["args"] = None if zeros else {"ckpt_format": "torch_dist", "use_distributed_optimizer": True}
+    state["optimizer"]["param_groups"] = None if zeros else [{"lr": 1e-4 * iteration, "step": iteration}]
+    state["num_floating_point_operations_so_far"] = None if zeros else iteration * 1e12
+    return state
+
+
+def expected_values(args, iteration, rank, world):
+    """The plain values a job of this layout must load: the template built with data."""
+    import torch
+
+    state = full_state(argparse.Namespace(**dict(vars(args), device="cpu")), iteration, rank, world)
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [plain(v) for v in x]
+        data = getattr(x, "data", x)
+        if hasattr(x, "key") and not isinstance(data, torch.Tensor):  # ShardedObject
+            return data
+        return data
+
+    return plain(state)
+
+
+def compare(expected, loaded, path=""):
+    import torch
+
+    if isinstance(expected, dict):
+        out = []
+        for k in expected:
+            out += compare(expected[k], loaded.get(k) if isinstance(loaded, dict) else None, "%s.%s" % (path, k))
+        return out
+    if isinstance(expected, list):
+        if not isinstance(loaded, list) or len(loaded) != len(expected):
+            return [path]
+        return [p for i, e in enumerate(expected) for p in compare(e, loaded[i], "%s[%d]" % (path, i))]
+    if isinstance(expected, torch.Tensor):
+        ok = isinstance(loaded, torch.Tensor) and loaded.dtype == expected.dtype and loaded.shape == expected.shape
+        return [] if ok and torch.equal(loaded.cpu(), expected) else [path]
+    return [] if expected == loaded else [path]
+
+
+# --- megatron-core's checkpoint path ----------------------------------------------------------
+
+
+def iteration_dir(root, iteration):
+    return os.path.join(root, "iter_%07d" % iteration)
+
+
+def make_save_strategy(context):
+    """As checkpointing.py's save_checkpoint builds it (ckpt_format torch_dist, fully parallel
+    save, --ckpt-assume-constant-structure), kept in ``context`` for the next saves."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    if "save_strategy" in context:
+        return context["save_strategy"], False
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    strategy.use_cached_ckpt_structure = True
+    loaded = getattr(context.get("load_strategy"), "cached_global_metadata", None)
+    context["plugged_loaded_metadata"] = loaded is not None
+    if loaded is not None:
+        strategy.cached_global_metadata = loaded
+    strategy = FullyParallelSaveStrategyWrapper(strategy, dist.group.WORLD, True)
+    context["save_strategy"] = strategy
+    return strategy, True
+
+
+def async_queue(persistent):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if persistent:
+        return AsyncCallsQueue(persistent=True)
+    return AsyncCallsQueue()
+
+
+def finalize(queue, blocking):
+    try:
+        return queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
+    except TypeError:  # megatron-core < 0.12 has no no_dist
+        return queue.maybe_finalize_async_calls(blocking=blocking)
+
+
+def save_one(state, iteration, root, context, queue, rank):
+    from megatron.core import dist_checkpointing
+
+    folder = iteration_dir(root, iteration)
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+    import torch.distributed as dist
+
+    dist.barrier()
+    strategy, first = make_save_strategy(context)
+    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
+
+    def iter_finalize_fn():
+        if rank == 0:
+            with open(os.path.join(root, TRACKER), "w") as f:
+                f.write(str(iteration))
+
+    request.add_finalize_fn(iter_finalize_fn)
+    queue.schedule_async_request(request)
+    steps = 0
+    while finalize(queue, blocking=False) == [] and steps < 200:  # training steps go on meanwhile
+        time.sleep(0.05)
+        steps += 1
+    finalize(queue, blocking=True)  # before the next save (overlapping saves share one results queue)
+    return folder
+
+
+def base_strategy(wrapper):
+    return getattr(wrapper, "base_strategy", wrapper)
+
+
+def describe_metadata(folder):
+    """The unpickled .metadata, as plain data the tests compare across torch releases."""
+    classes = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            classes.add("%s.%s" % (module, name))
+            return super().find_class(module, name)
+
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        md = Recording(io.BytesIO(f.read())).load()
+
+    def entry(e):
+        if not hasattr(e, "chunks"):
+            return "bytes"
+        chunks = sorted([list(c.offsets), list(c.sizes)] for c in e.chunks)
+        return {"size": list(e.size), "chunks": chunks, "dtype": str(e.properties.dtype)}
+
+    storage = {}
+    for index, info in (md.storage_data or {}).items():
+        name = "%s|%s|%s" % (index.fqn, list(index.offset) if index.offset is not None else None, index.index)
+        storage[name] = [str(info.relative_path), info.offset, info.length]
+    mcore = getattr(md, "mcore_data", None)
+    plans = getattr(md, "all_local_plans", None)
+    return {
+        "state_dict_metadata": {k: entry(v) for k, v in sorted(md.state_dict_metadata.items())},
+        "storage_data": storage,
+        "planner_data": repr(md.planner_data),
+        "mcore_data": None
+        if mcore is None
+        else {k: {n: list(s) for n, s in sorted(v.items())} for k, v in sorted(mcore.items())},
+        "all_local_plans": None if plans is None else len(plans),
+        "classes": sorted(classes),
+        "distcp": {
+            name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(folder))
+            if name.endswith(".distcp")
+        },
+    }
+
+
+def init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def save_job(args, result):
+    rank, world = init()
+    context = {}
+    queue = async_queue(args.persistent)
+    try:
+        for iteration in range(1, args.iterations + 1):
+            state = full_state(args, iteration, rank, world)
+            save_one(state, iteration, args.root, context, queue, rank)
+            result.setdefault("saved", []).append(iteration)
+    finally:
+        finalize(queue, blocking=True)
+        if hasattr(queue, "close"):
+            queue.close()
+    result["cached_structure_reused"] = bool(
+        getattr(base_strategy(context["save_strategy"]), "validated_cache_reuse", False)
+    )
+    if rank == 0:
+        result["metadata"] = describe_metadata(iteration_dir(args.root, args.iterations))
+
+
+def resume_job(args, result):
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    rank, world = init()
+    with open(os.path.join(args.root, TRACKER)) as f:
+        iteration = int(f.read().strip())
+    folder = iteration_dir(args.root, iteration)
+    common = dist_checkpointing.load_common_state_dict(folder)  # what the rank-0 path reads first
+    result["iteration"] = iteration
+    result["common_iteration"] = common.get("iteration")
+    template = full_state(args, iteration, rank, world, zeros=True)
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), dist.group.WORLD)
+    kwargs = {}
+    try:
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
+    except ImportError:
+        pass
+    loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
+    mismatched = compare(expected_values(args, iteration, rank, world), loaded)
+    result["mismatched"] = mismatched
+    result["loaded_equal"] = not mismatched
+    if args.then_save:
+        context = {"load_strategy": strategy}
+        queue = async_queue(False)
+        try:
+            state = full_state(args, iteration + 1, rank, world)
+            save_one(state, iteration + 1, args.root, context, queue, rank)
+        finally:
+            finalize(queue, blocking=True)
+        result["plugged_loaded_metadata"] = context["plugged_loaded_metadata"]
+        result["loaded_metadata_reused"] = bool(
+            getattr(base_strategy(context["save_strategy"]), "validated_loaded_metadata_reuse", False)
+        )
+
+
+def job(args):
+    result = {"pid": os.getpid(), "ok": False, "error": None, "phase": args.phase}
+    warnings.simplefilter("ignore")
+    try:
+        import torch
+
+        result["torch"] = torch.__version__
+        (save_job if args.phase == "save" else resume_job)(args, result)
+        result["ok"] = result.get("loaded_equal", True)
+    except BaseException as exc:  # reported to the test as data
+        result["error"] = "%s: %s" % (type(exc).__name__, exc)
+        result["traceback"] = traceback.format_exc()
+    stand_in = sys.modules.get("cpu_stand_in_for_cuda")
+    result["cuda_stand_in_sites"] = dict(stand_in.SITES) if stand_in else None
+    return result
+
+
+# --- launching ranks --------------------------------------------------------------------------
+
+
+def launch(args, argv):
+    """``args.launch`` ranks of this job, as examples/checkpoint_job.py starts them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+    from checkpoint_job import run_ranks, without_launch
+
+    child = [a for a in without_launch(argv) if a != "--json"]
+    ranks = run_ranks(__file__, child, args.launch, args.rank_timeout)
+    return {
+        "ok": all(r.get("ok") for r in ranks),
+        "error": next((r["error"] for r in ranks if r.get("error")), None),
+        "ranks": ranks,
+    }
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    result = launch(args, argv) if args.launch else job(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    else:
+        print("ok" if result["ok"] else "FAILED: %s" % result["error"])
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":  # spawned workers re-import this file
+    sys.exit(main())
