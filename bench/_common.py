@@ -74,6 +74,18 @@ class BenchEnvs:
             raise
         return self
 
+    def clone_with_wheel(self, release: str) -> Optional[str]:
+        """A clone of torch ``release``'s cached venv with the wheel, or None when it is not built."""
+        if not envs.torch_ready(release):
+            return None
+        python = envs.clone_venv(envs.torch_venv_folder(release), os.path.join(self.tmp, "torch-%s" % release))
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", self.wheel],
+            check=True,
+            capture_output=True,
+        )
+        return python
+
     def _check(self) -> None:
         """Fail early unless exactly one of the two venvs has our finder at startup."""
         probe = "import sys; print(any(getattr(type(f), '_mcore_autopatch_finder', 0) for f in sys.meta_path))"

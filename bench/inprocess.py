@@ -2,7 +2,7 @@
 
     python bench/inprocess.py reject ROUNDS NUMBER       # find_spec reject vs an empty method
     python bench/inprocess.py count-imports              # meta_path lookups of torch + the writer
-    python bench/inprocess.py fix-total                  # writer import with the hook vs without
+    python bench/inprocess.py fix-total                  # writer + strategies import, hook vs none
     python bench/inprocess.py fix-breakdown              # the same work, step by step, cold
     python bench/inprocess.py per-item ROUNDS ITEMS      # the safe _write_item vs torch's own
     python bench/inprocess.py torch-save MIB PATH        # torch.save + fsync of the 'large' tensor
@@ -23,6 +23,7 @@ import warnings
 from typing import Any, Callable, Dict, List
 
 WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+STRATEGIES = "megatron.core.dist_checkpointing.strategies.torch"  # watched too: the mcore_data fixes
 PACKAGE = "megatron.core.dist_checkpointing"
 MARK = "__mcore_autopatch__"
 
@@ -117,6 +118,7 @@ def _load_unpatched() -> Any:
 
     importlib.import_module(PACKAGE)
     writer = importlib.import_module(WRITER)
+    importlib.import_module(STRATEGIES)
     import mcore_autopatch  # imported by the .pth already; its submodules are not
 
     if mcore_autopatch.installed_finder() is not None:
@@ -131,30 +133,34 @@ def _load_unpatched() -> Any:
 
 
 def fix_total() -> None:
-    """Execute the writer module once more without our finder, then once with it: the
-    difference is what the hook adds to that import (our first imports, the spec lookup
-    behind us, the loader wrapper, the policy and the rebinding)."""
+    """Execute megatron-core's writer and strategies modules once more without our finder,
+    then once with it: the difference is what the hook adds to those imports (our first
+    imports, the spec lookups behind us, the loader wrappers, every fix's reading and
+    decision, and the rebindings)."""
     _load_unpatched()
     import mcore_autopatch
 
-    del sys.modules[WRITER]
-    t0 = time.perf_counter()
-    plain = importlib.import_module(WRITER)
-    plain_s = time.perf_counter() - t0
-    assert not getattr(plain._write_item, MARK, False)
+    def execute() -> float:
+        for name in (STRATEGIES, WRITER):
+            del sys.modules[name]
+        t0 = time.perf_counter()
+        importlib.import_module(STRATEGIES)  # imports the writer at its top
+        return time.perf_counter() - t0
 
-    del sys.modules[WRITER]
+    plain_s = execute()
+    assert not getattr(sys.modules[WRITER]._write_item, MARK, False)
     # What activate() does at startup (activate itself would run the callbacks for the
     # already-imported package now, importing our modules before the timed import).
     sys.meta_path.insert(0, mcore_autopatch._Finder(dict(mcore_autopatch._WATCHED), "bench"))
     before = set(sys.modules)
-    t0 = time.perf_counter()
-    hooked = importlib.import_module(WRITER)
-    hooked_s = time.perf_counter() - t0
-    if not getattr(hooked._write_item, MARK, False):
+    hooked_s = execute()
+    if not getattr(sys.modules[WRITER]._write_item, MARK, False):
         raise SystemExit("the hook did not rebind _write_item")
-    new = sorted(set(sys.modules) - before - {WRITER})
-    emit({"plain_ms": plain_s * 1e3, "hooked_ms": hooked_s * 1e3, "new_modules": new})
+    from mcore_autopatch import fixes
+
+    decisions = {fix.name: fixes.last_decision(fix) for fix in fixes.FIXES if fix.library == "megatron-core"}
+    new = sorted(set(sys.modules) - before - {WRITER, STRATEGIES})
+    emit({"plain_ms": plain_s * 1e3, "hooked_ms": hooked_s * 1e3, "new_modules": new, "decisions": decisions})
 
 
 def fix_breakdown() -> None:
@@ -204,9 +210,24 @@ def fix_breakdown() -> None:
     step("rebinding", rebind)
     writer._write_item = original
     # The whole callback once more, now that everything above is warm.
-    step("on_writer_executed, warm", lambda: writer_fix.on_writer_executed(writer))
+    strategies = sys.modules[STRATEGIES]
+
+    def import_metadata_fixes() -> Any:
+        from mcore_autopatch import load_guard, metadata_fix
+
+        return metadata_fix, load_guard
+
+    metadata_fix, load_guard = step("import the mcore_data fixes' modules", import_metadata_fixes)
+    step(
+        "keep_mcore_data: read torch's finish + megatron's stores, decide",
+        lambda: metadata_fix.evaluate(strategies, "auto"),
+    )
+    step("load guard: read megatron's loader, decide", lambda: load_guard.evaluate(strategies, "auto"))
+    from mcore_autopatch import fixes
+
+    step("on_module_executed, warm", lambda: fixes.on_module_executed(writer))
     if not getattr(writer._write_item, MARK, False):
-        raise SystemExit("on_writer_executed did not rebind _write_item")
+        raise SystemExit("on_module_executed did not rebind _write_item")
     emit({"ms": steps, "new_modules": new})
 
 
