@@ -3,7 +3,7 @@
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
 
-.PHONY: demo test test-quick test-env wheel lint bench compat-table clean
+.PHONY: demo test test-quick test-env gpu-check gpu-check-prepare wheel lint bench compat-table clean
 
 demo:
 	$(PYTHON) tools/demo.py
@@ -21,6 +21,14 @@ test-quick: test-env
 	$(TOOLS) -m ruff check .
 	MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 2 --timeout 900 -p no:cacheprovider
 
+# The GPU variants of the end-to-end tests, for a machine with a GPU and no registry:
+# prepare .gpu-check/ here, carry it, run `make gpu-check` there (tools/gpu_check.sh).
+gpu-check-prepare:
+	$(PYTHON) tools/envs.py gpu-check
+
+gpu-check:
+	tools/gpu_check.sh
+
 # The wheel in dist/ and its sha256 (reproducible: the same commit gives the same hash;
 # pin it with `pip install --require-hashes`, see examples/Dockerfile).
 wheel:
@@ -33,9 +41,9 @@ lint: test-env
 bench: test-env
 	$(PYTHON) bench/run_all.py
 
-# README's compatibility table, from the last `make test` run.
+# docs/compatibility.md's tables, from the last `make test` run.
 compat-table:
-	$(PYTHON) tools/compat_table.py --update-readme
+	$(PYTHON) tools/compat_table.py --update
 
 clean:
-	rm -rf .cache .venv build dist *.egg-info
+	rm -rf .cache .venv .gpu-check build dist *.egg-info

@@ -1,15 +1,16 @@
-"""Render README's compatibility tables from the last full test run.
+"""Render the compatibility tables (docs/compatibility.md) from the last full test run.
 
 `make test` leaves .cache/compat-results.json: for each writer release (a megatron-core
 version, or "nvidia-resiliency-ext 0.3.0") and each torch release, what the tests marked
 ``@pytest.mark.compat(version, what)`` verified there, and whether it passed.
-`python3 tools/compat_table.py` prints the tables; `--update-readme` rewrites the block
-between the compat markers in README.md.
+`python3 tools/compat_table.py` prints the tables; `--update` rewrites the block between
+the compat markers in docs/compatibility.md (`make compat-table`).
 
-The first table is megatron-core releases x real torch releases: each cell says what the
-fix does for that pair (what it supplies, or "native": nothing is missing and the writer is
-left untouched) and whether every check of that cell passed. The second lists the other
-checks, with the torch releases they ran on.
+The first table is megatron-core releases x real torch releases. Each cell has two marks,
+*save* (the plain round trips of tests/test_e2e_save.py) and *resume* (a training job's
+checkpoint path with model and distributed-optimizer state, tests/test_e2e_job_path.py), and
+says what the fixes do for that pair. The second lists the other checks, with the torch
+releases they ran on.
 """
 
 import json
@@ -20,14 +21,21 @@ from typing import Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, ".cache", "compat-results.json")
-README = os.path.join(ROOT, "README.md")
+PAGE = os.path.join(ROOT, "docs", "compatibility.md")
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
-# What every cell of the first table is made of (tests/test_e2e_save.py).
-MATRIX_CHECKS = (
+# The checks behind each mark of the first table (the test files name them).
+SAVE_CHECKS = (
     "with the wheel: round trip equal, `.distcp` bytes = native 0.13.1, status",
     "`MCORE_AUTOPATCH=0`: fails as that torch fails, or saves natively",
     "left untouched; saves natively; status",
 )
+RESUME_CHECKS = (
+    "job path: 3 async saves, resume, model + distributed-optimizer state equal",
+    "job path: resume on another data-parallel split (reshards flattened tensors)",
+    "job path, `MCORE_AUTOPATCH=0`: fails as today, or works natively",
+    "`selftest`: plain + distributed-optimizer state, `mcore_data` kept",
+)
+MATRIX_CHECKS = SAVE_CHECKS + RESUME_CHECKS
 
 Results = Dict[str, Dict[str, Dict[str, str]]]  # release -> torch -> what -> passed/failed/skipped
 
@@ -37,14 +45,16 @@ def release(version: str) -> Tuple[int, ...]:
 
 
 def supplied(version: str, torch: str) -> str:
-    """What the fix supplies for megatron-core ``version`` on ``torch``; "native" for nothing."""
+    """What the fixes do for megatron-core ``version`` on ``torch``; "native" for nothing."""
     m, t = release(version), release(torch)
-    missing = []
+    parts = []
     if t >= (2, 7) and m < (0, 12):
-        missing.append("`transforms`")
+        parts.append("`transforms`")
     if t >= (2, 8) and m < (0, 13):
-        missing.append("`serialization_format`")
-    return " + ".join(missing) or "native"
+        parts.append("`serialization_format`")
+    if (2, 9) <= t < (2, 12) and (0, 8) <= m < (0, 15):
+        parts.append("keeps `mcore_data`")
+    return " + ".join(parts) or "native"
 
 
 def mark(outcomes: List[str]) -> str:
@@ -63,8 +73,13 @@ def matrix(results: Results) -> str:
     for version in sorted(rows, key=release):
         cells = []
         for torch in torches:
-            checks = {w: o for w, o in results[version].get(torch, {}).items() if w in MATRIX_CHECKS}
-            cells.append("%s %s" % (mark(list(checks.values())), supplied(version, torch)) if checks else "")
+            checks = results[version].get(torch, {})
+            save = [o for w, o in checks.items() if w in SAVE_CHECKS]
+            resume = [o for w, o in checks.items() if w in RESUME_CHECKS]
+            if not save and not resume:
+                cells.append("")
+                continue
+            cells.append("%s save %s resume · %s" % (mark(save), mark(resume), supplied(version, torch)))
         lines.append("| %s | %s |" % (version, " | ".join(cells)))
     return "\n".join(lines)
 
@@ -95,12 +110,15 @@ def render(results: Results) -> str:
         [
             matrix(results),
             "",
-            "Each cell: ✅ = every check of that pair passed (❌ = one failed; empty = not run):",
-            "with the wheel installed, the save and load round trip is equal and the `.distcp` bytes",
-            "equal native megatron-core 0.13.1's on the same torch, and `status` of the process that",
-            "saved says needed / applied / reason right; with `MCORE_AUTOPATCH=0` the save fails the",
-            "way that torch fails, or saves natively where nothing is missing. The text says what the",
-            "fix supplies there; *native* = nothing is missing, and the writer is left untouched.",
+            "**save** ✅: with the wheel the plain round trip is equal, its `.distcp` bytes equal native",
+            "megatron-core 0.13.1's on the same torch and `status` of the saving process is right; with",
+            "`MCORE_AUTOPATCH=0` it fails the way that torch fails, or saves natively where nothing is",
+            "missing. **resume** ✅: a training job's checkpoint path (2 gloo ranks, three async saves",
+            "through the fully parallel wrapper with the cached structure) saves model and",
+            "distributed-optimizer state and a fresh job resumes it equal, also on another",
+            "data-parallel split; without the wheel it fails as it does today. - = not run for that",
+            "pair (see the notes below the table). The text says what the fixes do there; *native* =",
+            "nothing is missing and nothing is rebound.",
             "",
             details(results),
         ]
@@ -115,17 +133,17 @@ def main(argv: "list[str]") -> int:
         print("no %s: run `make test` first" % os.path.relpath(RESULTS, ROOT), file=sys.stderr)
         return 1
     table = render(results)
-    if "--update-readme" not in argv:
+    if "--update" not in argv:
         print(table)
         return 0
-    with open(README) as f:
+    with open(PAGE) as f:
         text = f.read()
     if BEGIN not in text or END not in text:
-        print("README.md has no %s ... %s block" % (BEGIN, END), file=sys.stderr)
+        print("%s has no %s ... %s block" % (os.path.relpath(PAGE, ROOT), BEGIN, END), file=sys.stderr)
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    with open(README, "w") as f:
+    with open(PAGE, "w") as f:
         f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
     return 0
 

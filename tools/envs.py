@@ -507,6 +507,41 @@ def demo_megatron() -> None:
     open(marker, "w").close()
 
 
+# `make gpu-check-prepare`: what tools/gpu_check.sh installs on a GPU machine that reaches no
+# registry (its python is 3.12): our wheel, numpy 1.26.4 for Python 3.12, and megatron-core
+# 0.12.1 / nvidia-resiliency-ext 0.3.0 as installed folders (pure Python where it matters;
+# megatron-core 0.12.1 has no wheel for 3.12). Well under the 64 MiB a device call carries.
+GPU_CHECK = os.path.join(ROOT, ".gpu-check")
+GPU_PYTHON_TAGS = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
+GPU_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+
+def gpu_check_prepare() -> None:
+    shutil.rmtree(GPU_CHECK, ignore_errors=True)
+    os.makedirs(GPU_CHECK)
+    wheel(GPU_CHECK)
+    platforms = [arg for p in GPU_PLATFORMS for arg in ("--platform", p)]
+    run(
+        e2e(),
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        *GPU_PYTHON_TAGS,
+        *platforms,
+        "-d",
+        GPU_CHECK,
+        "numpy==1.26.4",
+    )
+    mcore(["0.12.1"])
+    nvrx(["0.3.0"])
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", ".envs-stamp")
+    shutil.copytree(mcore_folder("0.12.1"), os.path.join(GPU_CHECK, "mcore-0.12.1"), ignore=ignore)
+    shutil.copytree(nvrx_folder("0.3.0"), os.path.join(GPU_CHECK, "nvrx-0.3.0"), ignore=ignore)
+    log("%s ready: carry it with `make gpu-check` to a GPU machine" % os.path.relpath(GPU_CHECK, ROOT))
+
+
 # What `make test` needs, in order (torch before seed: the seed stack clones torch 2.9.0).
 DEFAULT_TARGETS = ["tools", "e2e", "mcore", "pythons", "nvrx", "torch", "seed"]
 TARGETS = {
@@ -519,6 +554,7 @@ TARGETS = {
     "nvrx": nvrx,
     "wheel": lambda: print(wheel()),
     "demo": demo_megatron,
+    "gpu-check": gpu_check_prepare,
 }
 
 

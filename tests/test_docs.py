@@ -1,0 +1,258 @@
+"""README.md, README.zh-CN.md and docs/*.md cannot drift from the code: every fenced block
+is checked or run here.
+
+* ``console`` blocks: each ``$ command`` runs for real, in order, in a venv of the page's own
+  (a clone of the torch 2.13.0 venv, megatron-core 0.12.1 on PYTHONPATH) that starts
+  without mcore-autopatch; the lines under it are the expected output (``…`` matches
+  anything, a line of ``…`` alone any number of lines). ``pip install mcore-autopatch``
+  installs the wheel built from this checkout (the registry name stands for it here);
+  ``/ckpt/iter_0000100`` is a copy of a real checkpoint saved by megatron-core 0.13.1 on torch
+  2.9.0 without mcore-autopatch, so it lacks ``mcore_data``; ``make X`` must be a Makefile
+  target (``make test`` is this very run, ``make demo`` has its own test).
+* ``text`` blocks: a file of the repository (its content, or a listing of paths that exist),
+  or an error text that the code and the end-to-end tests produce.
+* ``dockerfile`` blocks: every instruction is one of examples/Dockerfile, whose steps
+  tests/test_cli.py runs.
+
+The Chinese quick start must name the same commands, environment variables and error texts
+as the English pages.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+from typing import Any, Dict, List, Tuple
+
+import pytest
+from conftest import ROOT, clean_env, envs, install_wheel, mcore_folder
+
+PAGES = sorted(
+    os.path.relpath(p, ROOT) for p in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "README.zh-CN.md")]
+) + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\s*$", re.M | re.S)
+CHECKPOINT_PLACEHOLDER = "/ckpt/iter_0000100"
+ELLIPSIS = "…"
+
+# The error texts people search for (tests/test_e2e_save.py and test_e2e_job_path.py assert
+# that real saves and loads produce them).
+from test_e2e_job_path import MISSING_MCORE_DATA  # noqa: E402
+from test_e2e_save import MISSING_FORMAT, MISSING_STORAGE_KEY, MISSING_TWO  # noqa: E402
+
+ERROR_TEXTS = [MISSING_FORMAT, MISSING_TWO, MISSING_STORAGE_KEY, MISSING_MCORE_DATA]
+
+
+def blocks(page: str) -> List[Tuple[str, str]]:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return [(m.group(1), m.group(2)) for m in FENCE.finditer(f.read())]
+
+
+def page_text(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_every_page_is_listed_and_readme_stays_short():
+    assert "docs/troubleshooting.md" in PAGES and "README.zh-CN.md" in PAGES
+    assert os.path.getsize(os.path.join(ROOT, "README.md")) < 8 * 1024
+    readme = page_text("README.md")
+    assert readme.count("README.zh-CN.md") >= 1 and readme.index("README.zh-CN.md") < 200  # linked at the top
+    for page in PAGES:
+        for lang, _ in blocks(page):
+            assert lang in ("console", "text", "dockerfile"), "%s: a ```%s block has no checking rule" % (page, lang)
+
+
+# --- expected output ---------------------------------------------------------------------------
+
+
+def matches(expected: str, actual: str) -> bool:
+    """Whether ``actual`` has ``expected``'s lines in order (``…`` inside a line matches
+    anything; a line of ``…`` alone lets any lines pass before the next one)."""
+    lines = [ln for ln in actual.splitlines()]
+    position, skipping = 0, False
+    for want in expected.splitlines():
+        if want.strip() == ELLIPSIS:
+            skipping = True
+            continue
+        pattern = re.compile("^" + ".*".join(re.escape(part) for part in want.split(ELLIPSIS)) + "$")
+        while position < len(lines) and not pattern.match(lines[position]):
+            if not skipping:
+                return False
+            position += 1
+        if position == len(lines):
+            return False
+        position += 1
+        skipping = False
+    return True
+
+
+def test_matches_is_strict_where_the_page_is_literal():
+    assert matches("a\n…\nc …", "a\nb\nc d")
+    assert not matches("a\nc", "a\nb\nc")
+    assert not matches("x …", "y z")
+
+
+# --- text and dockerfile blocks ------------------------------------------------------------------
+
+
+def listed_paths(block: str) -> List[str]:
+    """The paths of a layout listing: a top-level entry, and entries indented by two spaces
+    under a folder (lines indented further continue a description)."""
+    paths, folder = [], ""
+    for line in block.splitlines():
+        if not line.strip() or line.startswith("   "):
+            continue
+        indented = line.startswith(" ")
+        names = line.strip().split("  ")[0]
+        for name in (n.strip() for n in names.split(",")):
+            if not indented:
+                folder = name if name.endswith("/") else ""
+                paths.append(name)
+            elif folder and re.match(r"^[\w.]+$", name):
+                test_module = folder == "tests/" and "." not in name and not name.endswith("/")
+                paths.append(folder + name + (".py" if test_module else ""))
+    return paths
+
+
+def known_errors() -> List[str]:
+    from mcore_autopatch import load_guard
+
+    return [
+        "RuntimeError: Worker failure: " + MISSING_FORMAT,
+        "RuntimeError: Worker failure: " + MISSING_TWO,
+        "RuntimeError: Worker failure: " + MISSING_STORAGE_KEY,
+        "RuntimeError: Incomplete worker results (expected 1, got 0. This probably indicates a worker failure.",
+        "AttributeError: " + MISSING_MCORE_DATA,
+        "CheckpointingException: %s. … tensor(s) are loaded here with another layout than they were saved with, "
+        "and their original shapes cannot be proved from the checkpoint: …" % load_guard.cause(CHECKPOINT_PLACEHOLDER),
+        "FAIL: fix needed but not active in this interpreter: …",
+    ]
+
+
+TEXT_BLOCKS = [(page, body) for page in PAGES for lang, body in blocks(page) if lang == "text"]
+
+
+@pytest.mark.parametrize("page,body", TEXT_BLOCKS, ids=["%s-%d" % (p, i) for i, (p, _) in enumerate(TEXT_BLOCKS)])
+def test_text_block_is_a_file_a_listing_or_a_real_error(page, body):
+    for name in ("mcore_autopatch.pth", "mcore_autopatch.start"):
+        with open(os.path.join(ROOT, name)) as f:
+            if f.read() == body:
+                return
+    if any(body.strip() == error or matches(body.strip(), error) for error in known_errors()):
+        return
+    paths = listed_paths(body)
+    assert paths, "%s: a text block that is neither a file, a listing nor a known error:\n%s" % (page, body)
+    missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, "%s lists paths that do not exist: %s" % (page, missing)
+
+
+def test_dockerfile_blocks_are_steps_of_the_tested_dockerfile():
+    with open(os.path.join(ROOT, "examples", "Dockerfile")) as f:
+        recipe = f.read()
+    for page in PAGES:
+        for lang, body in blocks(page):
+            if lang == "dockerfile":
+                for line in body.splitlines():
+                    if line.strip() and not line.startswith("#"):
+                        assert line.split("#")[0].strip() in recipe, (page, line)
+
+
+# --- console blocks --------------------------------------------------------------------------
+
+
+def commands(body: str) -> List[Tuple[str, str]]:
+    """(command, expected output) pairs of a console block."""
+    out: List[Tuple[str, List[str]]] = []
+    for line in body.splitlines():
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        elif out:
+            out[-1][1].append(line)
+    return [(command, "\n".join(expected)) for command, expected in out]
+
+
+def make_targets() -> List[str]:
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        text = f.read()
+    return re.search(r"^\.PHONY:(.*)$", text, re.M).group(1).split()  # type: ignore[union-attr]
+
+
+CONSOLE_PAGES = [page for page in PAGES if any(lang == "console" for lang, _ in blocks(page))]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("page", CONSOLE_PAGES)
+def test_console_blocks_run_as_written(page, wheel_path, python_without_wheel, tmp_path):
+    venv = envs.clone_venv(envs.E2E, str(tmp_path / "venv"))  # starts without mcore-autopatch
+    bin_dir = os.path.dirname(venv)
+    env: Dict[str, str] = clean_env(PYTHONPATH=mcore_folder("0.12.1"))
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    for body in [body for lang, body in blocks(page) if lang == "console"]:
+        for command, expected in commands(body):
+            if command.startswith("make "):
+                assert command.split()[1] in make_targets(), (page, command)
+                continue
+            if command == "pip install mcore-autopatch":
+                install_wheel(venv, wheel_path)
+                continue
+            assert command.startswith("mcore-autopatch "), "%s: no rule to check `%s`" % (page, command)
+            if CHECKPOINT_PLACEHOLDER in command:
+                from test_e2e_job_path import LOST_TORCH
+
+                python_without_wheel(LOST_TORCH)  # skips where torch 2.9.0 is not part of the run
+                folder = str(tmp_path / "checkpoint")
+                if not os.path.isdir(folder):
+                    shutil.copytree(_lost(python_without_wheel), folder)
+                command = command.replace(CHECKPOINT_PLACEHOLDER, folder)
+                expected = expected.replace(CHECKPOINT_PLACEHOLDER, folder)
+            proc = subprocess.run(
+                ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path)
+            )
+            assert "Traceback" not in proc.stderr, proc.stderr
+            assert matches(expected, proc.stdout), "%s: `%s` printed:\n%s\nexpected:\n%s" % (
+                page,
+                command,
+                proc.stdout,
+                expected,
+            )
+
+
+def _lost(python_without_wheel: Any) -> str:
+    from test_e2e_job_path import lost_checkpoint
+
+    return os.path.join(lost_checkpoint(python_without_wheel)["root"], "iter_0000003")
+
+
+# --- the Chinese quick start keeps in step ------------------------------------------------------
+
+
+def named(text: str) -> Dict[str, set]:
+    flat = re.sub(r"\s+", " ", text)
+    return {
+        "commands": set(
+            re.findall(r"\b(?:mcore-autopatch (?:status|check|selftest|inspect|repair)|make (?:demo|test)\b)", flat)
+        )
+        | ({"pip install mcore-autopatch"} if "pip install mcore-autopatch" in flat else set()),
+        "variables": set(re.findall(r"\bMCORE_AUTOPATCH\w*", flat)),
+        "errors": {e for e in ERROR_TEXTS if e in flat},
+    }
+
+
+def test_chinese_quick_start_names_the_same_commands_variables_and_errors():
+    english = named(page_text("README.md") + page_text("docs/troubleshooting.md"))
+    chinese = named(page_text("README.zh-CN.md"))
+    assert chinese["commands"] == english["commands"]
+    assert chinese["variables"] == english["variables"]
+    assert chinese["errors"] == english["errors"] == set(ERROR_TEXTS)
+
+
+def test_documented_variables_and_values_are_the_codes():
+    import mcore_autopatch
+    from mcore_autopatch import _log
+
+    for page in ("README.md", "README.zh-CN.md"):
+        text = page_text(page)
+        assert set(re.findall(r"\bMCORE_AUTOPATCH\w*", text)) == {"MCORE_AUTOPATCH", _log.LOG_ENV}
+        for word in (*mcore_autopatch._OFF_WORDS, "auto", "force", *_log.LEVELS):
+            assert "`%s`" % word in text, (page, word)
