@@ -27,8 +27,10 @@ import copy
 from types import ModuleType
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from mcore_autopatch import checkpoint_metadata as cm
 from mcore_autopatch import policy
+
+# checkpoint_metadata is imported where a checkpoint without mcore_data is met, not at the
+# watched import: most processes never load one.
 
 MARK = "__mcore_autopatch__"
 STRATEGY_CLASS = "TorchDistLoadShardedStrategy"
@@ -109,6 +111,8 @@ def _megatron() -> Any:
 def recover_reformulation(module: ModuleType, sharded_state_dict: Any, metadata: Any, folder: Any) -> Dict[str, Any]:
     """``get_reformulation_metadata``'s answer for a checkpoint without ``mcore_data``, from
     what can be proved; raises megatron-core's ``CheckpointingException`` otherwise."""
+    from mcore_autopatch import checkpoint_metadata as cm
+
     entries = cm.tensor_entries(metadata)
     result: Dict[str, Any] = {}
     unprovable: List[str] = []
@@ -155,7 +159,7 @@ def guard_get_reformulation_metadata(module: ModuleType, original: Callable[...,
             if "mcore_data" not in str(exc):
                 raise
             metadata = module.FileSystemReader(checkpoint_dir).read_metadata()
-            if cm.has_mcore_data(metadata):
+            if isinstance(getattr(metadata, "mcore_data", None), dict):
                 raise
             return recover_reformulation(module, sharded_state_dict, metadata, checkpoint_dir)
 
@@ -167,8 +171,10 @@ def guard_load_tensors_metadata(module: ModuleType, original: Callable[..., Any]
     def load_tensors_metadata(self: Any, checkpoint_dir: Any, metadata: Any = None) -> Any:
         if metadata is None:
             metadata = module.FileSystemReader(checkpoint_dir).read_metadata()
-        if cm.has_mcore_data(metadata):
+        if isinstance(getattr(metadata, "mcore_data", None), dict):
             return original(self, checkpoint_dir, metadata)
+        from mcore_autopatch import checkpoint_metadata as cm
+
         tensors = cm.classify(metadata)
         unknown = [t.key for t in tensors if t.kind == "unknown"]
         if unknown:

@@ -15,7 +15,8 @@ What is read (never assumed from version numbers):
   Metadata through ``dataclasses.replace``, read from its code;
 * megatron-core: which attributes its planner and its async saver store on the Metadata
   (``STORE_ATTR`` instructions of ``MCoreSavePlanner.create_global_plan`` and of the
-  functions of ``state_dict_saver``), less those torch's ``Metadata`` declares.
+  functions of ``state_dict_saver``, read from their bytecode), less those torch's
+  ``Metadata`` declares.
 
 What is rebound, only when both say so: the ``dataclasses`` global of torch's filesystem
 module, to a stand-in whose ``replace`` calls the real one and then copies exactly those
@@ -27,7 +28,7 @@ attributes from the old ``Metadata`` to the new one; everything else is the real
 import dataclasses
 import dis
 import sys
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 from mcore_autopatch import policy
@@ -87,17 +88,32 @@ def _is_dataclasses(obj: Any) -> bool:
     return obj is dataclasses or bool(getattr(obj, MARK, False))
 
 
-def stored_attributes(function: Any) -> "set[str]":
-    """Names of the attributes ``function`` (and functions nested in it) assigns."""
+_STORE_ATTR = dis.opmap["STORE_ATTR"]
+
+
+def _attribute_stores(code: CodeType) -> "set[str]":
+    """The names ``code``'s STORE_ATTR instructions assign (its argument indexes co_names on
+    every CPython 3.8-3.13; instructions are two bytes, EXTENDED_ARG widens the next one)."""
+    raw, names, stored, extended = code.co_code, code.co_names, set(), 0
+    for i in range(0, len(raw) - 1, 2):
+        op, arg = raw[i], raw[i + 1] | extended
+        extended = arg << 8 if op == dis.EXTENDED_ARG else 0
+        if op == _STORE_ATTR and arg < len(names):
+            stored.add(names[arg])
+    return stored
+
+
+def stored_attributes(function: Any, names: Tuple[str, ...] = KNOWN_ATTRIBUTES) -> "set[str]":
+    """Which of ``names`` ``function`` (or a function nested in it) assigns as an attribute.
+    Only code that mentions one of them is scanned."""
     code = getattr(unwrap(function), "__code__", None)
     stored: "set[str]" = set()
     stack = [code] if code is not None else []
     while stack:
         current = stack.pop()
-        for instruction in dis.get_instructions(current):
-            if instruction.opname == "STORE_ATTR":
-                stored.add(str(instruction.argval))
-        stack.extend(const for const in current.co_consts if hasattr(const, "co_code"))
+        if not set(names).isdisjoint(current.co_names):
+            stored |= _attribute_stores(current) & set(names)
+        stack.extend(const for const in current.co_consts if isinstance(const, CodeType))
     return stored
 
 

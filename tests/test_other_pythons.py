@@ -167,3 +167,37 @@ def test_writer_module_loads_as_it_would_without_the_hook(other_python):
     )
     info = run_json(other_python, ["-c", script], fake_env())
     assert info == {"loader": "SourceFileLoader", "spec_loader": "SourceFileLoader", "source": True}
+
+
+# The bytecode reading of metadata_fix on each minor: which attributes a function assigns.
+ATTRIBUTE_STORES = r"""
+import json
+from mcore_autopatch import metadata_fix
+
+
+class FakePlanner:  # FAKE: the shape of megatron-core 0.8-0.14's MCoreSavePlanner
+    def create_global_plan(self, all_plans):
+        metadata = type("FakeMetadata", (), {})()
+        metadata.mcore_data = dict((p.key, p.mcore_data) for p in all_plans)  # stored; p.mcore_data only read
+        return all_plans, metadata
+
+
+def fake_saver(all_local_plans):  # FAKE: the shape of megatron-core's save_state_dict_async_plan
+    global_metadata = type("FakeMetadata", (), {})()
+    global_metadata.all_local_plans = all_local_plans
+    return global_metadata
+
+
+def fake_reader_only(metadata):  # FAKE: reads the attributes, stores neither
+    return metadata.mcore_data, getattr(metadata, "all_local_plans", None)
+
+
+print(json.dumps([sorted(metadata_fix.stored_attributes(f)) for f in
+                  (FakePlanner.create_global_plan, fake_saver, fake_reader_only)]))
+"""
+
+
+def test_attribute_stores_are_read_from_bytecode_on_every_minor(other_python):
+    proc = run_python(other_python, ["-c", ATTRIBUTE_STORES], clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [["mcore_data"], ["all_local_plans"], []]
