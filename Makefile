@@ -13,13 +13,13 @@ test-env:
 
 test: test-env
 	$(TOOLS) -m ruff check .
-	$(TOOLS) -m pytest -n 2 --timeout 900 -p no:cacheprovider
+	$(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
 
 # The inner loop: everything on torch 2.13.0 (the CPU wheel); the real CUDA torch releases and
 # the seed stack are skipped. CI runs `make test`.
 test-quick: test-env
 	$(TOOLS) -m ruff check .
-	MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 2 --timeout 900 -p no:cacheprovider
+	MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
 
 # The GPU variants of the end-to-end tests, for a machine with a GPU and no registry:
 # prepare .gpu-check/ here, carry it, run `make gpu-check` there (tools/gpu_check.sh).
