@@ -107,7 +107,7 @@ def classify(metadata: Any) -> List[TensorInfo]:
     return out
 
 
-def recovered_mcore_data(metadata: Any, tensors: Iterable[TensorInfo]) -> Optional[Dict[str, Dict[str, Shape]]]:
+def recovered_mcore_data(tensors: Iterable[TensorInfo]) -> Optional[Dict[str, Dict[str, Shape]]]:
     """``mcore_data`` as megatron-core writes it (an entry per tensor; the original shape for
     flattened ones), or None when some tensor's shape is not provable."""
     out: Dict[str, Dict[str, Shape]] = {}

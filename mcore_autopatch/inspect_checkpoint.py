@@ -144,7 +144,7 @@ def repair(folder: str, dry_run: bool = False) -> Tuple[int, List[str]]:
             "not repaired: the original shapes of %d tensor(s) cannot be proved from the checkpoint (%s); "
             "%s is unchanged" % (len(unknown), ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else ""), path)
         ]
-    mcore_data = cm.recovered_mcore_data(metadata, tensors) or {}
+    mcore_data = cm.recovered_mcore_data(tensors) or {}
     flattened = [t for t in tensors if t.kind == "flattened"]
     lines = ["%s: mcore_data for %d tensors, %d of them N-D flattened:" % (path, len(mcore_data), len(flattened))]
     lines += ["  %s: %s (%s)" % (t.key, cm.shape_text(t.shape or ()), t.evidence) for t in flattened]

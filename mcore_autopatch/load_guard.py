@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from mcore_autopatch import policy
+from mcore_autopatch.writers import MEGATRON_CORE
 
 # checkpoint_metadata is imported where a checkpoint without mcore_data is met, not at the
 # watched import: most processes never load one.
@@ -77,7 +78,7 @@ def reads_mcore_data(function: Any) -> bool:
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    version = policy.writer_version(_megatron()).version or "(unknown version)"
+    version = policy.writer_version(MEGATRON_CORE).version or "(unknown version)"
     label = "megatron-core %s" % version
     function = vars(module).get("get_reformulation_metadata")
     if function is None or not reads_mcore_data(function):
@@ -97,12 +98,6 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
             "are loaded where their shapes can be proved, and refused with the cause otherwise" % label,
         )
     )
-
-
-def _megatron() -> Any:
-    from mcore_autopatch.writers import MEGATRON_CORE
-
-    return MEGATRON_CORE
 
 
 # --- the guards --------------------------------------------------------------------------
@@ -189,7 +184,7 @@ def guard_load_tensors_metadata(module: ModuleType, original: Callable[..., Any]
                 )
             )
         described = copy.copy(metadata)
-        described.mcore_data = cm.recovered_mcore_data(metadata, tensors)  # a copy; the file is not touched
+        described.mcore_data = cm.recovered_mcore_data(tensors)  # a copy; the file is not touched
         return original(self, checkpoint_dir, described)
 
     _mark(load_tensors_metadata, original)

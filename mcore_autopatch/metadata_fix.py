@@ -32,6 +32,7 @@ from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 from mcore_autopatch import policy
+from mcore_autopatch.writers import MEGATRON_CORE
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -157,7 +158,7 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
         return Evaluation(policy.Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
     finish = read_finish(fs)
     attributes = megatron_attributes(strategies_torch, metadata_type)
-    megatron = "megatron-core %s" % (policy.writer_version(_megatron()).version or "(unknown version)")
+    megatron = "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
     if not attributes:
         reason = "%s sets no attribute of its own on the checkpoint Metadata" % megatron
         return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
@@ -170,12 +171,6 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
         return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
     reason = "%s's %s, dropping %s that %s sets on it" % (torch_label, finish.text, listed, megatron)
     return Evaluation(policy.Decision(True, reason), fs, metadata_type, attributes, finish)
-
-
-def _megatron() -> Any:
-    from mcore_autopatch.writers import MEGATRON_CORE
-
-    return MEGATRON_CORE
 
 
 def _torch_version() -> str:

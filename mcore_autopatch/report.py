@@ -184,8 +184,10 @@ def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[st
     return row
 
 
-def fix_status(fix: fixes.Fix, installed: bool, mode: str) -> Dict[str, Any]:
-    """One fix of the table: what it reads and rebinds, whether it is needed and applied."""
+def fix_status(fix: fixes.Fix, installed: bool, mode: str, decided: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One fix of the table: what it reads and rebinds, whether it is needed and applied.
+    ``decided``: needed / applied / reason / hook_decision already worked out (the writer
+    fix's, from ``writer_status``), so that nothing is read twice."""
     row: Dict[str, Any] = {
         "fix": fix.name,
         "library": fix.library,
@@ -198,15 +200,17 @@ def fix_status(fix: fixes.Fix, installed: bool, mode: str) -> Dict[str, Any]:
         "hook_decision": fixes.last_decision(fix),
     }
     module = sys.modules.get(fix.watches)
-    if module is None:
+    if decided is not None:
+        row.update(decided)
+    elif module is None:
         if installed:
             row["reason"] = "%s is not imported in this process (yet)" % fix.watches
         else:
             row.update(needed=False, reason="%s is not installed in this interpreter: nothing to fix" % fix.library)
-        return row
-    implementation = fix.implemented_by()
-    decision = implementation.evaluate(module, "auto" if mode == "off" else mode).decision
-    row.update(needed=decision.needed, applied=implementation.is_applied(module), reason=decision.reason)
+    else:
+        implementation = fix.implemented_by()
+        decision = implementation.evaluate(module, "auto" if mode == "off" else mode).decision
+        row.update(needed=decision.needed, applied=implementation.is_applied(module), reason=decision.reason)
     return row
 
 
@@ -240,12 +244,10 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
     fix_rows = []
     for fix in fixes.FIXES:
         writer_row = by_library.get(fix.library) or {}
+        decided = None
         if fix.name == "write_item" and writer_row:
-            row = fix_status(fix, bool(writer_row.get("installed")), mode)
-            row.update({k: writer_row[k] for k in ("needed", "applied", "reason", "hook_decision")})
-        else:
-            row = fix_status(fix, bool(writer_row.get("installed")), mode)
-        fix_rows.append(row)
+            decided = {k: writer_row[k] for k in ("needed", "applied", "reason", "hook_decision")}
+        fix_rows.append(fix_status(fix, bool(writer_row.get("installed")), mode, decided))
     info["torch"] = torch_version()
     megatron = rows[0]
     # megatron-core's row, also at the top level under the names scripts already read.

@@ -271,7 +271,7 @@ def test_a_model_tensor_saved_beside_proves_the_original_shape():
     metadata.state_dict_metadata[KEY] = flattened_entry((2, 1, 24), [10, 14])
     info = {t.key: t for t in cm.classify(metadata)}[KEY]
     assert (info.kind, info.shape) == ("flattened", (8, 6))
-    assert cm.recovered_mcore_data(metadata, cm.classify(metadata))[KEY] == {cm.ORIGINAL_SHAPE: (8, 6)}
+    assert cm.recovered_mcore_data(cm.classify(metadata))[KEY] == {cm.ORIGINAL_SHAPE: (8, 6)}
 
 
 def test_a_model_tensor_whose_reformulation_differs_proves_nothing():
@@ -279,7 +279,7 @@ def test_a_model_tensor_whose_reformulation_differs_proves_nothing():
     metadata.state_dict_metadata[KEY] = flattened_entry((2, 1, 24), [24])
     info = {t.key: t for t in cm.classify(metadata)}[KEY]
     assert info.kind == "unknown" and info.shape is None
-    assert cm.recovered_mcore_data(metadata, cm.classify(metadata)) is None
+    assert cm.recovered_mcore_data(cm.classify(metadata)) is None
 
 
 def test_a_layer_stacked_weight_is_regular_however_its_chunks_look():
