@@ -23,7 +23,7 @@ import mcore_autopatch
 from mcore_autopatch import writers
 from mcore_autopatch._log import logger
 
-STRATEGIES_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+STRATEGIES_TORCH = mcore_autopatch.IMPORTER_MODULE  # one name, in the startup watch list
 
 
 class Fix(NamedTuple):

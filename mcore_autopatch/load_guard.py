@@ -25,7 +25,7 @@ Checkpoints that have ``mcore_data`` take megatron-core's path unchanged.
 
 import copy
 from types import ModuleType
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from mcore_autopatch import policy
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -62,7 +62,6 @@ def cause(folder: Any) -> str:
 
 class Evaluation(NamedTuple):
     decision: policy.Decision
-    missing: Tuple[str, ...] = ()
 
 
 def reads_mcore_data(function: Any) -> bool:
@@ -88,8 +87,7 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
     if missing or strategy is None or "load_tensors_metadata" not in vars(strategy):
         names = ", ".join(missing or (STRATEGY_CLASS + ".load_tensors_metadata",))
         return Evaluation(
-            policy.Decision(None, "%s reads mcore_data, but its loader lacks %s; not patching" % (label, names)),
-            missing,
+            policy.Decision(None, "%s reads mcore_data, but its loader lacks %s; not patching" % (label, names))
         )
     return Evaluation(
         policy.Decision(

@@ -172,6 +172,7 @@ def _lost_attributes(ckpt: str) -> "list[str]":
         return []
     expected = metadata_fix.megatron_attributes(module, metadata_type)
     written = checkpoint_metadata.read_metadata(ckpt)
+    # all_local_plans only lets a resumed job skip one re-planning; mcore_data decides a resume.
     return [name for name in expected if name != "all_local_plans" and not hasattr(written, name)]
 
 

@@ -311,13 +311,12 @@ def reference_digests(torch_python: Callable[[str], str]) -> Any:
     Shared by the xdist workers of a run through a file per key in the run folder, written
     under a lock, so each oracle save runs once per run.
     """
-    run_dir = os.environ[RUN_DIR_ENV]
     cache: Dict[Any, Dict[str, str]] = {}
 
     def get(state: str = "basic", thread_count: Optional[int] = None, torch: str = CPU_TORCH) -> Dict[str, str]:
         key = (state, thread_count, torch)
         if key not in cache:
-            cache[key] = _shared_reference(run_dir, torch_python(torch), *key)
+            cache[key] = _shared_reference(torch_python(torch), *key)
         return cache[key]
 
     return get
@@ -347,7 +346,7 @@ def run_dir_folder(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ[RUN_DIR_ENV])
 
 
-def _shared_reference(run_dir: str, python: str, state: str, thread_count: Optional[int], torch: str) -> Any:
+def _shared_reference(python: str, state: str, thread_count: Optional[int], torch: str) -> Any:
     def save() -> Any:
         folder = run_dir_folder("reference-")
         args = [JOB, "--json", "--no-load", "--dir", folder, "--state", state]
