@@ -1,4 +1,6 @@
 # Quick start: `make demo` (the bug and the fix, for real) and `make test`.
+# Recipes are not echoed: stdout carries only what a target produces (a path, a hash, a
+# table, test reports); the tools say what they do on stderr.
 # Everything is built into ignored folders: .cache/ (test environments), .venv/ (demo), dist/.
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
@@ -6,44 +8,46 @@ TOOLS := .cache/tools/bin/python
 .PHONY: demo test test-quick test-env gpu-check gpu-check-prepare wheel lint bench compat-table clean
 
 demo:
-	$(PYTHON) tools/demo.py
+	@$(PYTHON) tools/demo.py
 
 test-env:
-	$(PYTHON) tools/envs.py
+	@$(PYTHON) tools/envs.py
 
 test: test-env
-	$(TOOLS) -m ruff check .
-	$(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
+	@$(TOOLS) -m ruff check .
+	@$(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
 
 # The inner loop: everything on torch 2.13.0 (the CPU wheel); the real CUDA torch releases and
 # the seed stack are skipped. CI runs `make test`.
 test-quick: test-env
-	$(TOOLS) -m ruff check .
-	MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
+	@$(TOOLS) -m ruff check .
+	@MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
 
 # The GPU variants of the end-to-end tests, for a machine with a GPU and no registry:
 # prepare .gpu-check/ here, carry it, run `make gpu-check` there (tools/gpu_check.sh).
 gpu-check-prepare:
-	$(PYTHON) tools/envs.py gpu-check
+	@$(PYTHON) tools/envs.py gpu-check
 
 gpu-check:
-	tools/gpu_check.sh
+	@tools/gpu_check.sh
 
 # The wheel in dist/ and its sha256 (reproducible: the same commit gives the same hash;
 # pin it with `pip install --require-hashes`, see examples/Dockerfile).
+# tools/envs.py writes progress to stderr; its stdout is the wheel's path and nothing else.
 wheel:
-	@set -e; whl="$$($(PYTHON) tools/envs.py wheel | tail -n 1)"; test -f "$$whl"; \
+	@whl="$$($(PYTHON) tools/envs.py wheel)" || { echo "make wheel: building the wheel failed (above)" >&2; exit 1; }; \
+	if [ ! -f "$$whl" ]; then echo "make wheel: tools/envs.py wheel printed no wheel path: '$$whl'" >&2; exit 1; fi; \
 	echo "$$whl"; sha256sum "$$whl"
 
 lint: test-env
-	$(TOOLS) -m ruff check .
+	@$(TOOLS) -m ruff check .
 
 bench: test-env
-	$(PYTHON) bench/run_all.py
+	@$(PYTHON) bench/run_all.py
 
 # docs/compatibility.md's tables, from the last `make test` run.
 compat-table:
-	$(PYTHON) tools/compat_table.py --update
+	@$(PYTHON) tools/compat_table.py --update
 
 clean:
-	rm -rf .cache .venv .gpu-check build dist *.egg-info
+	@rm -rf .cache .venv .gpu-check build dist *.egg-info

@@ -11,6 +11,8 @@ switched off on an affected stack it fails the way training jobs fail, and says 
 
 Exit codes: 0 both round trips are equal, 1 one failed, 2 it cannot run here (torch or
 megatron-core missing, or a megatron-core whose save path needs CUDA on a CPU machine).
+stdout carries one line, the verdict (``selftest: passed`` / ``FAILED: ...`` / ``cannot
+run: ...``); what it does and how long each step took go to stderr.
 """
 
 import importlib
@@ -32,12 +34,26 @@ def _say(out: TextIO, message: str) -> None:
     print("selftest: %s" % message, file=out, flush=True)
 
 
+class _Streams:
+    """Where the verdict goes (stdout) and where progress and timings go (stderr)."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out, self.err = out, err
+
+    def progress(self, message: str) -> None:
+        _say(self.err, message)
+
+    def verdict(self, message: str) -> None:
+        _say(self.out, message)
+
+
 def _needs_cuda(exc: BaseException, torch: Any) -> bool:
     """A save path that asks for CUDA (megatron-core 0.16+) on a machine without it."""
     return "CUDA" in str(exc) and not torch.cuda.is_available()
 
 
-def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
+def run(out: Optional[TextIO] = None, folder: Optional[str] = None, err: Optional[TextIO] = None) -> int:
+    streams = _Streams(out or sys.stdout, err or sys.stderr)
     started = time.perf_counter()
     try:
         from mcore_autopatch.report import quiet_imports
@@ -52,21 +68,19 @@ def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
             importlib.import_module(WRITER_MODULE)
             importlib.import_module(IMPORTER_MODULE)  # megatron-core's planner and loader: the mcore_data fixes
     except Exception as exc:
-        _say(out, "cannot run: %s: %s" % (type(exc).__name__, exc))
+        streams.verdict("cannot run: %s: %s" % (type(exc).__name__, exc))
         return CANNOT_RUN
 
     from mcore_autopatch import report
 
     info = report.status()  # the writer module is imported now: this is the fixes' state for the save
-    _say(
-        out,
+    streams.progress(
         "torch %s, megatron-core %s; fix needed: %s, applied: %s (%s)"
         % (info["torch"], info["megatron_core"], _YES_NO[info["needed"]], _YES_NO[info["applied"]], info["reason"]),
     )
     others = [r for r in info.get("fixes", []) if r["library"] == "megatron-core" and r["fix"] != "write_item"]
     if others:
-        _say(
-            out,
+        streams.progress(
             "; ".join(
                 "%s needed: %s, applied: %s" % (r["fix"], _YES_NO[r["needed"]], _YES_NO[r["applied"]]) for r in others
             ),
@@ -76,18 +90,21 @@ def run(out: TextIO = sys.stdout, folder: Optional[str] = None) -> int:
         try:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         except Exception as exc:  # e.g. a hostname gloo cannot resolve inside a build sandbox
-            _say(out, "cannot run: gloo did not start (%s: %s); try GLOO_SOCKET_IFNAME=lo" % (type(exc).__name__, exc))
+            streams.verdict(
+                "cannot run: gloo did not start (%s: %s); try GLOO_SOCKET_IFNAME=lo" % (type(exc).__name__, exc)
+            )
             return CANNOT_RUN
     try:
         with quiet_imports():
             for name, build in (("plain", _plain_state), ("distributed-optimizer-style", _optimizer_state)):
-                code = _round_trip(out, name, build, torch, dist_checkpointing, info, folder)
+                code = _round_trip(streams, name, build, torch, dist_checkpointing, info, folder)
                 if code != PASSED:
                     return code
     finally:
         if own_group:
             dist.destroy_process_group()
-    _say(out, "passed: both states saved and loaded back equal in %.2f s" % (time.perf_counter() - started))
+    streams.progress("both round trips took %.2f s" % (time.perf_counter() - started))
+    streams.verdict("passed: plain and distributed-optimizer-style states saved and loaded back equal")
     return PASSED
 
 
@@ -116,10 +133,12 @@ def _optimizer_state(torch: Any, zeros: bool) -> "tuple[Any, Any, str]":
     return {KEY: model, state_key: optimizer}, {KEY: weight, state_key: flat}, "an 8x6 weight and its flattened state"
 
 
-def _round_trip(out: TextIO, name: str, build: Any, torch: Any, dist_checkpointing: Any, info: Any, folder: Any) -> int:
+def _round_trip(
+    streams: _Streams, name: str, build: Any, torch: Any, dist_checkpointing: Any, info: Any, folder: Any
+) -> int:
     state, expected, what = build(torch, zeros=False)
     with tempfile.TemporaryDirectory(prefix="mcore-autopatch-selftest-", dir=folder) as ckpt:
-        _say(out, "%s state: async save of %s (gloo, 1 rank) to %s" % (name, what, ckpt))
+        streams.progress("%s state: async save of %s (gloo, 1 rank) to %s" % (name, what, ckpt))
         started = time.perf_counter()
         try:
             if "async_sharded_save" in inspect.signature(dist_checkpointing.save).parameters:
@@ -129,18 +148,19 @@ def _round_trip(out: TextIO, name: str, build: Any, torch: Any, dist_checkpointi
         except Exception as exc:
             error = "%s: %s" % (type(exc).__name__, exc)
             if _needs_cuda(exc, torch):
-                _say(out, "cannot run: this megatron-core's save path needs CUDA (%s)" % error)
+                streams.verdict("cannot run: this megatron-core's save path needs CUDA (%s)" % error)
                 return CANNOT_RUN
-            _say(out, "FAILED after %.2f s: the save raised %s" % (time.perf_counter() - started, error))
+            streams.progress("the save failed after %.2f s" % (time.perf_counter() - started))
+            hint = ""
             if "_write_item()" in str(exc):
-                _say(out, "this is the failure mcore-autopatch fixes; %s" % (info["advice"] or info["reason"]))
+                hint = "; this is the failure mcore-autopatch fixes: %s" % (info["advice"] or info["reason"])
+            streams.verdict("FAILED: %s state: the save raised %s%s" % (name, error, hint))
             return FAILED
         lost = _lost_attributes(ckpt) if name != "plain" else []
         if lost:
-            _say(
-                out,
-                "FAILED: saved, but the checkpoint lacks %s: a job with the distributed optimizer could not "
-                "resume from it (%s)" % (" and ".join(lost), _metadata_fix_reason()),
+            streams.verdict(
+                "FAILED: %s state: saved, but the checkpoint lacks %s: a job with the distributed optimizer could not "
+                "resume from it (%s)" % (name, " and ".join(lost), _metadata_fix_reason()),
             )
             return FAILED
         saved = time.perf_counter() - started
@@ -148,14 +168,15 @@ def _round_trip(out: TextIO, name: str, build: Any, torch: Any, dist_checkpointi
         try:
             loaded = dist_checkpointing.load(template, ckpt)
         except Exception as exc:
-            _say(out, "FAILED: the load raised %s: %s" % (type(exc).__name__, exc))
+            streams.verdict("FAILED: %s state: the load raised %s: %s" % (name, type(exc).__name__, exc))
             return FAILED
         differing = sorted(k for k, v in expected.items() if not torch.equal(loaded[k], v))
         if differing:
-            _say(out, "FAILED: loaded values differ from the saved ones: %s" % ", ".join(differing))
+            streams.verdict(
+                "FAILED: %s state: loaded values differ from the saved ones: %s" % (name, ", ".join(differing))
+            )
             return FAILED
-        _say(
-            out,
+        streams.progress(
             "%s state: saved in %.2f s, loaded back equal in %.2f s"
             % (name, saved, time.perf_counter() - started - saved),
         )

@@ -228,6 +228,18 @@ def e2e_site_packages(e2e_python: str) -> str:
     return envs.site_packages(e2e_python)
 
 
+def checkout_for_make(work: "os.PathLike[str] | str") -> str:
+    """A copy of the checkout with what `make wheel` needs; its .cache/tools is this run's."""
+    work = str(work)
+    envs.copy_sources(work)
+    os.mkdir(os.path.join(work, "tools"))
+    shutil.copy2(os.path.join(ROOT, "Makefile"), work)
+    shutil.copy2(os.path.join(ROOT, "tools", "envs.py"), os.path.join(work, "tools"))
+    os.mkdir(os.path.join(work, ".cache"))
+    os.symlink(envs.TOOLS, os.path.join(work, ".cache", "tools"))
+    return work
+
+
 def mcore_folder(version: str) -> str:
     folder = envs.mcore_folder(version)
     if not os.path.isdir(folder):

@@ -8,7 +8,10 @@ is checked or run here.
   installs the wheel built from this checkout (the registry name stands for it here);
   ``/ckpt/iter_0000100`` is a copy of a real checkpoint saved by megatron-core 0.13.1 on torch
   2.9.0 without mcore-autopatch, so it lacks ``mcore_data``; ``make X`` must be a Makefile
-  target (``make test`` is this very run, ``make demo`` has its own test).
+  target (``make test`` is this very run, ``make demo`` has its own test in
+  tests/test_tools_output.py). ``make wheel`` and ``pip install`` of the checkout or of the
+  wheel it built run for real, in a copy of the checkout: what a newcomer does before the
+  first release.
 * ``text`` blocks: a file of the repository (its content, or a listing of paths that exist),
   or an error text that the code and the end-to-end tests produce.
 * ``dockerfile`` blocks: every instruction is one of examples/Dockerfile, whose steps
@@ -26,7 +29,7 @@ import subprocess
 from typing import Any, Dict, List, Tuple
 
 import pytest
-from conftest import ROOT, clean_env, envs, install_wheel, mcore_folder
+from conftest import ROOT, checkout_for_make, clean_env, envs, install_wheel, mcore_folder
 
 PAGES = sorted(
     os.path.relpath(p, ROOT) for p in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "README.zh-CN.md")]
@@ -188,15 +191,22 @@ def test_console_blocks_run_as_written(page, wheel_path, python_without_wheel, t
     bin_dir = os.path.dirname(venv)
     env: Dict[str, str] = clean_env(PYTHONPATH=mcore_folder("0.12.1"))
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    checkout = ""
     for body in [body for lang, body in blocks(page) if lang == "console"]:
         for command, expected in commands(body):
             if command.startswith("make "):
                 assert command.split()[1] in make_targets(), (page, command)
-                continue
+                if command != "make wheel":
+                    continue
             if command == "pip install mcore-autopatch":
                 install_wheel(venv, wheel_path)
                 continue
-            assert command.startswith("mcore-autopatch "), "%s: no rule to check `%s`" % (page, command)
+            cwd = str(tmp_path)
+            if command == "make wheel" or command.startswith("pip install "):
+                checkout = checkout or checkout_for_make(tmp_path / "checkout")
+                cwd = checkout
+            else:
+                assert command.startswith("mcore-autopatch "), "%s: no rule to check `%s`" % (page, command)
             if CHECKPOINT_PLACEHOLDER in command:
                 from test_e2e_job_path import LOST_TORCH
 
@@ -207,8 +217,9 @@ def test_console_blocks_run_as_written(page, wheel_path, python_without_wheel, t
                 command = command.replace(CHECKPOINT_PLACEHOLDER, folder)
                 expected = expected.replace(CHECKPOINT_PLACEHOLDER, folder)
             proc = subprocess.run(
-                ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path)
+                ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300, cwd=cwd
             )
+            assert proc.returncode == 0 or command.startswith("mcore-autopatch "), (page, command, proc.stderr)
             assert "Traceback" not in proc.stderr, proc.stderr
             assert matches(expected, proc.stdout), "%s: `%s` printed:\n%s\nexpected:\n%s" % (
                 page,

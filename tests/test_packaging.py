@@ -28,7 +28,7 @@ import zipfile
 from typing import Dict, List, Optional
 
 import pytest
-from conftest import ROOT, clean_env, envs, run_python
+from conftest import ROOT, checkout_for_make, clean_env, envs, run_python
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 
@@ -418,33 +418,60 @@ def test_two_wheel_builds_without_source_date_epoch_are_byte_identical(tmp_path)
     assert {dt for dt, _mode in member_times_and_modes(a).values()} == {(1980, 1, 1, 0, 0, 0)}
 
 
+def make_wheel(work: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "wheel"], cwd=work, capture_output=True, text=True, timeout=300, env=clean_env(SOURCE_DATE_EPOCH=None)
+    )
+
+
+def assert_path_and_sha256_only(proc: subprocess.CompletedProcess, work: str) -> str:
+    """stdout is exactly two lines: the wheel's path, then ``sha256sum`` of it."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, "make wheel's stdout must hold only the path and the hash:\n%s" % proc.stdout
+    path_line, sum_line = lines
+    assert os.path.dirname(path_line) == os.path.join(work, "dist")
+    assert sum_line == "%s  %s" % (sha256(path_line), path_line)
+    return sum_line.split()[0]
+
+
 def test_make_wheel_prints_the_wheel_and_its_sha256_the_same_for_two_builds(tmp_path) -> None:
-    """`make wheel` in a copy of the checkout (its .cache/tools is this run's): path, then
-    ``sha256sum`` of it; rebuilt after touching every source, the hash does not change."""
-    work = tmp_path / "checkout"
-    envs.copy_sources(str(work))
-    (work / "tools").mkdir()
-    shutil.copy2(os.path.join(ROOT, "Makefile"), str(work))
-    shutil.copy2(os.path.join(ROOT, "tools", "envs.py"), str(work / "tools"))
-    (work / ".cache").mkdir()
-    os.symlink(envs.TOOLS, str(work / ".cache" / "tools"))
+    """`make wheel` in a copy of the checkout: path, then ``sha256sum`` of it; rebuilt after
+    touching every source, the hash does not change."""
+    work = checkout_for_make(tmp_path / "checkout")
     printed = []
     for mtime in (1_000_000_000, 1_700_000_000):
-        for parent, _dirs, files in os.walk(str(work / "mcore_autopatch")):
+        for parent, _dirs, files in os.walk(os.path.join(work, "mcore_autopatch")):
             for name in files:
                 os.utime(os.path.join(parent, name), (mtime, mtime))
-        proc = subprocess.run(
-            ["make", "-s", "wheel"],
-            cwd=str(work),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=clean_env(SOURCE_DATE_EPOCH=None),
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        path_line, sum_line = proc.stdout.strip().splitlines()[-2:]
-        assert os.path.dirname(path_line) == str(work / "dist")
-        assert sum_line == "%s  %s" % (sha256(path_line), path_line)
-        printed.append(sum_line.split()[0])
-        os.remove(path_line)
+        proc = make_wheel(work)
+        printed.append(assert_path_and_sha256_only(proc, work))
+        os.remove(proc.stdout.splitlines()[0])
     assert printed[0] == printed[1]
+
+
+def test_make_wheel_prints_only_the_path_and_hash_when_the_build_is_slow(tmp_path) -> None:
+    """A build that takes seconds (a busy CI runner, a slow disk) by construction: this copy's
+    setup.py sleeps first. tools/envs.py then says how long the target took, and that line
+    goes to stderr, never into the path make reads from stdout."""
+    work = checkout_for_make(tmp_path / "checkout")
+    setup = os.path.join(work, "setup.py")
+    with open(setup) as f:
+        text = f.read()
+    with open(setup, "w") as f:
+        f.write("import time\ntime.sleep(1.5)  # test: a slow build\n" + text)
+    proc = make_wheel(work)
+    assert_path_and_sha256_only(proc, work)
+    assert re.search(r"^\[envs\] wheel ready in \d+ s$", proc.stderr, re.M), proc.stderr
+
+
+def test_make_wheel_says_why_when_the_build_fails_and_prints_nothing(tmp_path) -> None:
+    work = checkout_for_make(tmp_path / "checkout")
+    with open(os.path.join(work, "setup.py"), "a") as f:
+        f.write("\nraise SystemExit('test: this build fails')\n")
+    proc = make_wheel(work)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    assert "test: this build fails" in proc.stderr
+    assert "building the wheel failed" in proc.stderr
+    assert not glob.glob(os.path.join(work, "dist", "*.whl"))

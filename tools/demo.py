@@ -5,6 +5,8 @@
 2. Runs examples/checkpoint_job.py there without mcore-autopatch: the save fails.
 3. `pip install`s the wheel and runs the same job again: save and load succeed.
 The job never imports mcore_autopatch; only the installed .pth changes the outcome.
+
+What happens is told on stderr; stdout gets one line, the verdict (``demo ok: ...``).
 """
 
 import os
@@ -21,6 +23,10 @@ def job(py: str) -> "tuple[int, str]":
     return proc.returncode, proc.stdout.strip()
 
 
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def main() -> int:
     wheel = envs.wheel()
     envs.demo_megatron()
@@ -28,24 +34,26 @@ def main() -> int:
     pip = [py, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "uninstall", "-y", "mcore-autopatch"], capture_output=True)
 
-    print("\n== before: megatron-core 0.12.1 + torch 2.13.0, mcore-autopatch not installed")
+    say("\n== before: megatron-core 0.12.1 + torch 2.13.0, mcore-autopatch not installed")
     before_rc, before = job(py)
-    print("   " + before)
+    say("   " + before)
 
-    print("\n== pip install %s" % os.path.relpath(wheel, envs.ROOT))
+    say("\n== pip install %s" % os.path.relpath(wheel, envs.ROOT))
     subprocess.run([*pip, "install", wheel], check=True, capture_output=True)
 
-    print("\n== after: the same job, unchanged")
+    say("\n== after: the same job, unchanged")
     after_rc, after = job(py)
-    print("   " + after)
+    say("   " + after)
 
-    print("\n== %s -m mcore_autopatch status" % os.path.relpath(py, envs.ROOT))
-    subprocess.run([py, "-m", "mcore_autopatch", "status"], check=False)
+    say("\n== %s -m mcore_autopatch status" % os.path.relpath(py, envs.ROOT))
+    sys.stderr.flush()
+    subprocess.run([py, "-m", "mcore_autopatch", "status"], check=False, stdout=sys.stderr)
 
     if before_rc == 0 or after_rc != 0:
-        print("\ndemo did not show failure-then-success (before rc=%d, after rc=%d)" % (before_rc, after_rc))
+        say("\ndemo did not show failure-then-success (before rc=%d, after rc=%d)" % (before_rc, after_rc))
         return 1
-    print("\ndemo ok: the save failed without mcore-autopatch and succeeded with it installed")
+    say("")
+    print("demo ok: the save failed without mcore-autopatch and succeeded with it installed")
     return 0
 
 

@@ -109,7 +109,32 @@ OTHER_PYTHONS = ["3.8", "3.9", "3.10", "3.12", "3.13"]
 
 
 def log(message: str) -> None:
-    print("[envs] %s" % message, flush=True)
+    """Progress for people: stderr. stdout carries only a target's result (the wheel's path)."""
+    print("[envs] %s" % message, file=sys.stderr, flush=True)
+
+
+def folder_size(folder: str) -> int:
+    """Bytes under ``folder``, each hard-linked file counted once (as ``du`` does)."""
+    seen: "set[tuple[int, int]]" = set()
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def built(folder: str, started: float) -> None:
+    """Say what a first build of ``folder`` cost, so a fresh `make test` visibly moves."""
+    log(
+        "%s built in %.0f s (%.2f GB)"
+        % (os.path.relpath(folder, ROOT), time.time() - started, folder_size(folder) / 1e9)
+    )
 
 
 def run(*cmd: str, **kwargs: object) -> None:
@@ -200,6 +225,7 @@ def make_venv(
     if _ready(folder, spec):
         return venv_python(folder)
     log("creating %s %s" % (os.path.relpath(folder, ROOT), label))
+    started = time.time()
     shutil.rmtree(folder, ignore_errors=True)
     if python is None:
         venv.EnvBuilder(with_pip=True).create(folder)
@@ -209,6 +235,7 @@ def make_venv(
     if packages:
         pip_install(py, *packages, env=pip_env)
     _stamp(folder, spec)
+    built(folder, started)
     return py
 
 
@@ -329,7 +356,10 @@ def prune_unmapped_nvidia_libraries(folder: str) -> None:
     with open(marker, "w") as f:
         f.write("".join("%s\n" % name for name in sorted(removed)))
     where = os.path.relpath(folder, ROOT)
-    log("%s: removed %d unmapped nvidia libraries (%.0f MB)" % (where, len(removed), freed / 2**20))
+    log(
+        "%s: removed %d unmapped nvidia libraries (%.0f MB); %.2f GB left"
+        % (where, len(removed), freed / 2**20, folder_size(folder) / 1e9)
+    )
 
 
 def _seed_spec() -> str:
@@ -354,6 +384,7 @@ def seed_stack() -> str:
     pip_install(py, RAY)
     pip_install(py, "--no-deps", "megatron-core==%s" % SEED_MEGATRON)
     _stamp(SEED, _seed_spec())
+    log("%s built (%.2f GB, hard links to torch %s's files counted)" % (where, folder_size(SEED) / 1e9, SEED_TORCH))
     return py
 
 
@@ -374,9 +405,11 @@ def target_install(folder: str, *specs: str) -> None:
     if _ready(folder, spec):
         return
     log("installing %s into %s" % (spec, os.path.relpath(folder, ROOT)))
+    started = time.time()
     shutil.rmtree(folder, ignore_errors=True)
     pip_install(e2e(), "--no-deps", "--target", folder, *specs)
     _stamp(folder, spec)
+    built(folder, started)
 
 
 def mcore_folder(version: str) -> str:
