@@ -30,10 +30,28 @@ WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 IMPORTER_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 # nvidia-resiliency-ext's copy of the writer (0.3.0 makes megatron-core 0.12's call).
 NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+_CHECKPOINTING = "megatron.core.dist_checkpointing."
+# The other modules of megatron-core whose code a fix reads: the checkpointing modules that
+# call numpy.product or read files with a bare torch.load, and the modules that run
+# ``from pkg_resources import packaging`` at import (0.6 - 0.8).
+_OTHER_WATCHED = (
+    _CHECKPOINTING + "mapping",
+    _CHECKPOINTING + "validation",
+    _CHECKPOINTING + "exchange_utils",
+    _CHECKPOINTING + "serialization",
+    _CHECKPOINTING + "strategies.fully_parallel",
+    _CHECKPOINTING + "strategies.common",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.custom_layers.transformer_engine",
+    "megatron.core.transformer.moe.grouped_gemm_util",
+    "megatron.core.models.retro.config",
+)
 
-# One callback, by "module:function" name, resolved only when a watched module executes.
-_ON_EXECUTED = ("mcore_autopatch.fixes:on_module_executed",)
-_WATCHED = {WRITER_MODULE: _ON_EXECUTED, IMPORTER_MODULE: _ON_EXECUTED, NVRX_WRITER_MODULE: _ON_EXECUTED}
+# Two callbacks, by "module:function" name, resolved only when a watched module is imported:
+# one just before its body runs, one right after.
+_HOOKS = (("mcore_autopatch.fixes:before_module_executes",), ("mcore_autopatch.fixes:on_module_executed",))
+_WATCHED = dict.fromkeys((WRITER_MODULE, IMPORTER_MODULE, NVRX_WRITER_MODULE, *_OTHER_WATCHED), _HOOKS)
 
 _OFF_WORDS = ("0", "off", "false", "no")
 

@@ -1,40 +1,48 @@
-"""The table of fixes, and the one callback the import hook runs for all of them.
+"""The table of fixes, and the two callbacks the import hook runs for all of them.
 
-Each fix names the module whose execution triggers it, what it reads from torch's and the
+Each fix names the modules whose execution triggers it, what it reads from torch's and the
 library's code, what it rebinds, and the module that implements it. An implementation has
-three functions, each taking the watched module:
+three functions, each taking one watched module:
 
 * ``evaluate(module, mode)``: read and decide, changing nothing (``status`` uses it too);
 * ``apply(module, mode)``: decide and rebind when needed; returns ``(decision, applied)``;
-* ``is_applied(module)``: whether its rebinding is in place now.
+* ``is_applied(module)``: whether its rebinding is in place now;
 
-A new fix is one row here, its watched module in the startup watch list of
+and, for a fix that must act while the module's body runs, ``before(module, mode)``, which
+returns what to call once the body has run.
+
+A new fix is one row here, its watched modules in the startup watch list of
 ``mcore_autopatch/__init__.py`` (a test checks the two agree), its implementation and its
-tests. ``on_module_executed`` is what ``importhook`` calls; it never raises.
+tests. ``before_module_executes`` and ``on_module_executed`` are what ``importhook`` calls;
+they never raise. ``MCORE_AUTOPATCH_SKIP`` names fixes to leave out (they are still read and
+reported).
 """
 
 import importlib
+import os
 import sys
 import weakref
 from types import ModuleType
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mcore_autopatch
 from mcore_autopatch import writers
 from mcore_autopatch._log import logger
 
 STRATEGIES_TORCH = mcore_autopatch.IMPORTER_MODULE  # one name, in the startup watch list
+SKIP_ENV = "MCORE_AUTOPATCH_SKIP"
+_DC = "megatron.core.dist_checkpointing."
 
 
 class Fix(NamedTuple):
-    name: str  # what it fixes, as status and logs name it
-    library: str  # the distribution whose module is watched, as users know it
-    watches: str  # the module whose execution triggers it
+    name: str  # what it fixes, as status, logs and MCORE_AUTOPATCH_SKIP name it
+    library: str  # the distribution whose modules are watched, as users know it
+    watches: Tuple[str, ...]  # the modules whose execution triggers it
     reads: str
     rebinds: str
-    implementation: str  # module with evaluate / apply / is_applied
-    # Modules that import ``watches`` at their top: when one executes and ``watches`` was
-    # loaded without our finder (a finder ahead of ours), the fix is applied then.
+    implementation: str  # module with evaluate / apply / is_applied (and maybe before)
+    # Modules that import a watched module at their top: when one executes and the watched
+    # module was loaded without our finder (a finder ahead of ours), the fix is applied then.
     importers: Tuple[str, ...] = ()
 
     @property
@@ -49,7 +57,7 @@ def _write_item_fix(writer: writers.KnownWriter) -> Fix:
     return Fix(
         name="write_item",
         library=writer.name,
-        watches=writer.module,
+        watches=(writer.module,),
         reads="torch's _write_item signature; %s's version and its writer's own _write_item call" % writer.name,
         rebinds="%s._write_item (module global): a caller of torch's that supplies the missing arguments"
         % writer.module,
@@ -63,7 +71,7 @@ FIXES: Tuple[Fix, ...] = (
     Fix(
         name="keep_mcore_data",
         library="megatron-core",
-        watches=STRATEGIES_TORCH,
+        watches=(STRATEGIES_TORCH,),
         reads="whether torch's FileSystemWriter.finish rebuilds the Metadata (dataclasses.replace); which "
         "attributes megatron-core's planner and async saver store on it (mcore_data, all_local_plans)",
         rebinds="torch.distributed.checkpoint.filesystem.dataclasses (module global): replace() then also "
@@ -73,11 +81,61 @@ FIXES: Tuple[Fix, ...] = (
     Fix(
         name="load_without_mcore_data",
         library="megatron-core",
-        watches=STRATEGIES_TORCH,
+        watches=(STRATEGIES_TORCH,),
         reads="whether megatron-core's get_reformulation_metadata reads Metadata.mcore_data",
         rebinds="%s.get_reformulation_metadata (module global) and TorchDistLoadShardedStrategy."
         "load_tensors_metadata: shapes recovered where provable, a clear error otherwise" % STRATEGIES_TORCH,
         implementation="mcore_autopatch.load_guard",
+    ),
+    Fix(
+        name="sharded_objects_planned_once",
+        library="megatron-core",
+        watches=(STRATEGIES_TORCH,),
+        reads="whether megatron-core's MCoreSavePlanner adds its own write requests for ShardedObjects "
+        "(0.6 - 0.8), and whether torch's create_default_local_save_plan already plans them on every rank (2.4+)",
+        rebinds="%s.MCoreSavePlanner._add_non_coordinator_iobytes_request: called only when the plan lacks one "
+        "of the rank's objects, so each is planned once" % STRATEGIES_TORCH,
+        implementation="mcore_autopatch.planner_fix",
+    ),
+    Fix(
+        name="numpy_removed_names",
+        library="megatron-core",
+        watches=tuple(
+            _DC + name
+            for name in ("mapping", "validation", "exchange_utils", "serialization", "strategies.fully_parallel")
+        ),
+        reads="which numpy names each checkpointing module's code calls (np.product) and whether the installed "
+        "numpy still has them (numpy 2 removed product, cumproduct, alltrue, sometrue)",
+        rebinds="that module's np global: numpy itself, but for the removed names it calls, which are numpy's "
+        "own replacements (numpy.prod for product)",
+        implementation="mcore_autopatch.numpy_fix",
+    ),
+    Fix(
+        name="torch_load_weights_only",
+        library="megatron-core",
+        watches=(_DC + "strategies.common", _DC + "serialization"),
+        reads="which functions read checkpoint files with torch.load and no weights_only (0.6 - 0.10: common.pt, "
+        "sharded objects); whether megatron-core registers its own allowlist; torch's default for weights_only",
+        rebinds="that module's torch global: torch itself, but load() passes weights_only=False when a call "
+        "passes none, as on the torch those releases were written for",
+        implementation="mcore_autopatch.weights_only_fix",
+    ),
+    Fix(
+        name="pkg_resources_packaging",
+        library="megatron-core",
+        watches=(
+            "megatron.core.tensor_parallel.random",
+            STRATEGIES_TORCH,
+            "megatron.core.transformer.attention",
+            "megatron.core.transformer.custom_layers.transformer_engine",
+            "megatron.core.transformer.moe.grouped_gemm_util",
+            "megatron.core.models.retro.config",
+        ),
+        reads="whether the module imports pkg_resources while its body runs, and whether the installed "
+        "setuptools provides it with packaging (read from pkg_resources' code, never imported)",
+        rebinds="nothing afterwards: while that module's body runs, its `from pkg_resources import packaging` "
+        "gets the installed packaging, and nothing else sees a pkg_resources",
+        implementation="mcore_autopatch.pkg_resources_fix",
     ),
     _write_item_fix(writers.NVIDIA_RESILIENCY_EXT),
 )
@@ -85,76 +143,159 @@ FIXES: Tuple[Fix, ...] = (
 
 def watched_modules() -> "set[str]":
     """Every module whose execution the startup finder must report here."""
-    return {f.watches for f in FIXES} | {name for f in FIXES for name in f.importers}
+    return {name for f in FIXES for name in f.watches} | {name for f in FIXES for name in f.importers}
 
 
 def fixes_for(library: str) -> Tuple[Fix, ...]:
     return tuple(f for f in FIXES if f.library == library)
 
 
-# --- what the hook decided, per fix --------------------------------------------------------
+def by_name(name: str, library: str = "megatron-core") -> Fix:
+    return next(f for f in FIXES if f.name == name and f.library == library)
+
+
+def skipped_names(environ: "Optional[Dict[str, str]]" = None) -> "set[str]":
+    """The fix names ``MCORE_AUTOPATCH_SKIP`` lists (comma or space separated)."""
+    raw = (os.environ if environ is None else environ).get(SKIP_ENV, "")
+    return {word for word in raw.replace(",", " ").split() if word}
+
+
+def is_skipped(fix: Fix) -> bool:
+    return fix.name in skipped_names()
+
+
+# --- what the hook decided, per fix and module --------------------------------------------------
 
 _seen: "weakref.WeakSet[ModuleType]" = weakref.WeakSet()  # watched modules already handled
 
 
 def _fresh_state() -> Dict[str, Any]:
-    # logged: fixes whose first decision was logged; warned: reasons warned about;
-    # last: what the hook decided when each fix last ran, by Fix.key.
-    return {"logged": set(), "mode_warned": False, "warned": set(), "last": {}}
+    # logged: (fix, module) pairs whose first decision was logged; warned: reasons warned
+    # about; last: what the hook decided when each fix last ran, by Fix.key, then module.
+    return {"logged": set(), "mode_warned": False, "skip_warned": False, "warned": set(), "last": {}}
 
 
 _state = _fresh_state()
 
 
+def combine(rows: "List[Dict[str, Any]]") -> Optional[Dict[str, Any]]:
+    """One answer from the answers for several modules of one fix: needed when one needs it
+    (cannot tell when one cannot and none needs it), applied when every module that needs it
+    has it, the reasons of the modules that decide it."""
+    if not rows:
+        return None
+    needed_rows = [r for r in rows if r["needed"]]
+    unknown_rows = [r for r in rows if r["needed"] is None]
+    deciding = needed_rows or unknown_rows or rows
+    needed: Optional[bool] = True if needed_rows else (None if unknown_rows else False)
+    applied = all(r["applied"] for r in needed_rows) if needed_rows else any(r["applied"] for r in rows)
+    places: Dict[str, List[str]] = {}
+    for row in deciding:
+        places.setdefault(row["reason"], [])
+        if row.get("where"):
+            places[row["reason"]].append(row["where"])
+    reasons = ["%s (in %s)" % (reason, "; ".join(where)) if where else reason for reason, where in places.items()]
+    return {"needed": needed, "applied": applied, "reason": "; ".join(reasons)}
+
+
 def last_decision(fix: Fix) -> Optional[Dict[str, Any]]:
-    """What the hook decided when ``fix`` last ran in this process, or None."""
-    last = _state["last"].get(fix.key)
-    return dict(last) if last else None
+    """What the hook decided when ``fix`` last ran in this process, over its modules, or None."""
+    per_module = _state["last"].get(fix.key)
+    return combine([dict(per_module[name]) for name in fix.watches if name in per_module]) if per_module else None
 
 
 def run(fix: Fix, module: ModuleType, mode: str) -> None:
     """Apply ``fix`` to its just-executed ``module``; record and log the decision. Never raises."""
     try:
-        decision, applied = fix.implemented_by().apply(module, mode)
-        _state["last"][fix.key] = {"needed": decision.needed, "applied": applied, "reason": decision.reason}
-        _log(fix, decision, applied)
+        implementation = fix.implemented_by()
+        if is_skipped(fix):
+            decision = implementation.evaluate(module, mode).decision
+            applied = False
+            decision = decision._replace(reason="%s; skipped: %s names it" % (decision.reason, SKIP_ENV))
+        else:
+            decision, applied = implementation.apply(module, mode)
+        row = {"needed": decision.needed, "applied": applied, "reason": decision.reason, "where": decision.where}
+        _state["last"].setdefault(fix.key, {})[module.__name__] = row
+        _log(fix, module.__name__, decision, applied)
     except Exception:
         logger.warning("%s: checking %s failed; it is left unchanged", fix.key, module.__name__, exc_info=True)
+
+
+def _mode() -> str:
+    mode, recognised = mcore_autopatch.read_mode()
+    if not recognised and not _state["mode_warned"]:
+        _state["mode_warned"] = True
+        logger.warning("MCORE_AUTOPATCH has an unknown value; behaving as 'auto' (use auto, 0, off or force)")
+    unknown = skipped_names() - {f.name for f in FIXES}
+    if unknown and not _state["skip_warned"]:
+        _state["skip_warned"] = True
+        logger.warning(
+            "%s names no fix: %s (the fixes are %s)",
+            SKIP_ENV,
+            ", ".join(sorted(unknown)),
+            ", ".join(dict.fromkeys(f.name for f in FIXES)),
+        )
+    return mode
+
+
+def before_module_executes(module: ModuleType) -> Optional[Callable[[], None]]:
+    """importhook callback: a watched module's body is about to run. Returns what to call
+    once it has run (the fixes that act during the body), or None."""
+    try:
+        mode = _mode()
+        if mode == "off":
+            return None
+        cleanups = []
+        for fix in FIXES:
+            if module.__name__ in fix.watches and not is_skipped(fix):
+                before = getattr(fix.implemented_by(), "before", None)
+                cleanup = before(module, mode) if before is not None else None
+                if cleanup is not None:
+                    cleanups.append(cleanup)
+    except Exception:
+        logger.warning("preparing %s failed; it is left unchanged", getattr(module, "__name__", module), exc_info=True)
+        return None
+    if not cleanups:
+        return None
+
+    def after_body() -> None:
+        for cleanup in reversed(cleanups):
+            cleanup()
+
+    return after_body
 
 
 def on_module_executed(module: ModuleType) -> None:
     """importhook callback: a watched module's body has just executed."""
     try:
-        mode, recognised = mcore_autopatch.read_mode()
-        if not recognised and not _state["mode_warned"]:
-            _state["mode_warned"] = True
-            logger.warning("MCORE_AUTOPATCH has an unknown value; behaving as 'auto' (use auto, 0, off or force)")
+        mode = _mode()
         if mode == "off":
             return
         name = module.__name__
         _seen.add(module)
         for fix in FIXES:
-            if fix.watches == name:
+            if name in fix.watches:
                 run(fix, module, mode)
         for fix in FIXES:
             if name not in fix.importers:
                 continue
-            watched = sys.modules.get(fix.watches)
-            if watched is None or watched in _seen:
-                continue
-            loader = getattr(getattr(watched, "__spec__", None), "loader", None)
-            logger.warning(
-                "%s was loaded without mcore_autopatch's finder (by %r); checking it now", fix.watches, loader
-            )
-            _seen.add(watched)
-            run(fix, watched, mode)
+            for watched_name in fix.watches:
+                watched = sys.modules.get(watched_name)
+                if watched is None or watched in _seen:
+                    continue
+                loader = getattr(getattr(watched, "__spec__", None), "loader", None)
+                logger.warning(
+                    "%s was loaded without mcore_autopatch's finder (by %r); checking it now", watched_name, loader
+                )
+                _seen.add(watched)
+                run(fix, watched, mode)
     except Exception:
         logger.warning("checking %s failed; it is left unchanged", getattr(module, "__name__", module), exc_info=True)
 
 
-def _log(fix: Fix, decision: Any, applied: bool) -> None:
-    first = fix.key not in _state["logged"]
-    _state["logged"].add(fix.key)
+def _log(fix: Fix, module: str, decision: Any, applied: bool) -> None:
+    first = (fix.key, module) not in _state["logged"]
+    _state["logged"].add((fix.key, module))
     if decision.needed is not False and not applied:
         if decision.reason not in _state["warned"]:  # once per process per reason
             _state["warned"].add(decision.reason)
@@ -164,7 +305,14 @@ def _log(fix: Fix, decision: Any, applied: bool) -> None:
                 "needed" if decision.needed else "maybe needed",
                 decision.reason,
             )
-    elif first:
-        logger.info("%s: %s: %s", fix.key, "applied" if applied else "not applied", decision.reason)
+    elif first and applied:  # once per fix and module; what needs nothing is for debug logs
+        where = " (%s)" % decision.where if decision.where else ""
+        logger.info("%s: applied%s: %s", fix.key, where, decision.reason)
     else:
-        logger.debug("%s: %s again (re-import): %s", fix.key, "applied" if applied else "not applied", decision.reason)
+        logger.debug(
+            "%s: %s%s: %s",
+            fix.key,
+            "applied" if applied else "not applied",
+            " (%s)" % decision.where if decision.where else "",
+            decision.reason,
+        )

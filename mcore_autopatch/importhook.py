@@ -1,8 +1,11 @@
-"""Run callbacks right after a watched module's body has executed.
+"""Run callbacks around a watched module's body: just before it executes, and right after.
 
 A general mechanism that knows nothing of megatron or torch: the finder in
-``mcore_autopatch/__init__.py`` hands a watched name here, with the callbacks named as
-``"module:function"`` strings. Imported only when a watched module is imported.
+``mcore_autopatch/__init__.py`` hands a watched name here, with its hooks: a pair of tuples
+of callbacks named as ``"module:function"`` strings, ``(before, after)``. A *before*
+callback is called with the module about to execute and may return a cleanup, called once
+the body has run, whether it raised or not; an *after* callback is called with the executed
+module. Imported only when a watched module is imported.
 
 How it stays out of the way:
 
@@ -12,15 +15,17 @@ How it stays out of the way:
 * The spec's loader is wrapped only for the duration of ``exec_module``; the real loader is
   put back on the module afterwards, so ``inspect``, ``linecache``, ``importlib.resources``
   and later reloads see the loader they expect.
-* A callback that fails is logged, never raised into the import that triggered it.
+* A callback or cleanup that fails is logged, never raised into the import that triggered it.
 """
 
 import importlib
 import sys
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from mcore_autopatch._log import logger
+
+Hooks = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (before, after) callback names
 
 # Names whose spec is being looked up right now. A finder behind ours that itself calls
 # importlib.util.find_spec would otherwise bring the same lookup back here forever. The
@@ -30,14 +35,8 @@ _resolving: "set[str]" = set()
 
 def find_spec_behind(finder: Any, fullname: str, path: Any, target: Any) -> Any:
     """The spec the rest of ``sys.meta_path`` gives for ``fullname``, with a loader that
-    runs ``finder.watched[fullname]`` after executing the module."""
-    if fullname in _resolving:
-        return None
-    _resolving.add(fullname)
-    try:
-        spec = _spec_from_finders_behind(finder, fullname, path, target)
-    finally:
-        _resolving.discard(fullname)
+    runs the hooks ``finder.watched[fullname]`` around the module's body."""
+    spec = spec_from_finders_behind(finder, fullname, path, target)
     if spec is None:
         return None
     loader = spec.loader
@@ -48,6 +47,17 @@ def find_spec_behind(finder: Any, fullname: str, path: Any, target: Any) -> Any:
         return spec
     spec.loader = CallbackLoader(loader, fullname, finder.watched[fullname])
     return spec
+
+
+def spec_from_finders_behind(finder: Any, fullname: str, path: Any, target: Any) -> Any:
+    """The spec the finders after ``finder`` on ``sys.meta_path`` give for ``fullname``."""
+    if fullname in _resolving:
+        return None
+    _resolving.add(fullname)
+    try:
+        return _spec_from_finders_behind(finder, fullname, path, target)
+    finally:
+        _resolving.discard(fullname)
 
 
 def _spec_from_finders_behind(finder: Any, fullname: str, path: Any, target: Any) -> Any:
@@ -73,10 +83,10 @@ class CallbackLoader:
     ``get_resource_reader``) behave as before.
     """
 
-    def __init__(self, loader: Any, fullname: str, callbacks: "tuple[str, ...]") -> None:
+    def __init__(self, loader: Any, fullname: str, hooks: Hooks) -> None:
         self.loader = loader
         self.fullname = fullname
-        self.callbacks = callbacks
+        self.hooks = hooks
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -86,11 +96,13 @@ class CallbackLoader:
         return None if create is None else create(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        cleanups = run_before(self.fullname, module, self.hooks[0])
         try:
             self.loader.exec_module(module)
         finally:
             _restore_loader(module, self)
-        run_callbacks(self.fullname, module, self.callbacks)
+            run_cleanups(self.fullname, cleanups)
+        run_callbacks(self.fullname, module, self.hooks[1])
 
     def __repr__(self) -> str:
         return "<mcore_autopatch CallbackLoader for %r around %r>" % (self.fullname, self.loader)
@@ -107,6 +119,29 @@ def _restore_loader(module: ModuleType, wrapper: CallbackLoader) -> None:
         pass
 
 
+def run_before(fullname: str, module: ModuleType, callbacks: "tuple[str, ...]") -> "List[Callable[[], Any]]":
+    """Call each before-callback with the module about to execute; collect the cleanups
+    they return. Log, never raise."""
+    cleanups: "List[Callable[[], Any]]" = []
+    for name in callbacks:
+        try:
+            cleanup = resolve(name)(module)
+        except Exception:
+            logger.warning("callback %s before %s failed; the import goes on unchanged", name, fullname, exc_info=True)
+            continue
+        if callable(cleanup):
+            cleanups.append(cleanup)
+    return cleanups
+
+
+def run_cleanups(fullname: str, cleanups: "List[Callable[[], Any]]") -> None:
+    for cleanup in reversed(cleanups):
+        try:
+            cleanup()
+        except Exception:
+            logger.warning("a cleanup after %s failed", fullname, exc_info=True)
+
+
 def run_callbacks(fullname: str, module: ModuleType, callbacks: "tuple[str, ...]") -> None:
     """Call each ``"module:function"`` with the executed module; log, never raise."""
     for name in callbacks:
@@ -117,11 +152,11 @@ def run_callbacks(fullname: str, module: ModuleType, callbacks: "tuple[str, ...]
 
 
 def run_for_loaded_modules(finder: Any) -> None:
-    """Run the callbacks of watched modules that are already imported (late activation)."""
-    for fullname, callbacks in list(finder.watched.items()):
+    """Run the after-callbacks of watched modules that are already imported (late activation)."""
+    for fullname, hooks in list(finder.watched.items()):
         module = sys.modules.get(fullname)
         if module is not None:
-            run_callbacks(fullname, module, callbacks)
+            run_callbacks(fullname, module, hooks[1])
 
 
 def resolve(name: str) -> Any:

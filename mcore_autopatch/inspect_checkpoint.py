@@ -178,6 +178,6 @@ def guard_state() -> Optional[Dict[str, Any]]:
         __import__(fixes.STRATEGIES_TORCH)
     except Exception:
         return None
-    fix = next(f for f in fixes.FIXES if f.name == "load_without_mcore_data")
-    module = sys.modules.get(fix.watches)
+    fix = fixes.by_name("load_without_mcore_data")
+    module = sys.modules.get(fix.watches[0])
     return report.fix_status(fix, module is not None, "auto")

@@ -31,7 +31,7 @@ import sys
 from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
-from mcore_autopatch import policy
+from mcore_autopatch import policy, standin
 from mcore_autopatch.writers import MEGATRON_CORE
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -86,7 +86,7 @@ def read_finish(fs: ModuleType) -> FinishReading:
 
 
 def _is_dataclasses(obj: Any) -> bool:
-    return obj is dataclasses or bool(getattr(obj, MARK, False))
+    return standin.real_module(obj) is dataclasses
 
 
 _STORE_ATTR = dis.opmap["STORE_ATTR"]
@@ -198,31 +198,18 @@ def keeping_replace(real_replace: Callable[..., Any], metadata_type: type, attri
     return replace
 
 
-class DataclassesKeepingAttributes:
-    """Stands in for the ``dataclasses`` module inside torch's filesystem module: the real
-    module for everything but ``replace`` (see ``keeping_replace``)."""
-
-    def __init__(self, real: ModuleType, metadata_type: type, attributes: Tuple[str, ...]) -> None:
-        self.__mcore_autopatch__ = attributes
-        self.__real = real
-        self.replace = keeping_replace(real.replace, metadata_type, attributes)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__real, name)
-
-    def __repr__(self) -> str:
-        return "<dataclasses, with a replace() that keeps %s on torch's Metadata (mcore-autopatch)>" % ", ".join(
-            self.__mcore_autopatch__
-        )
-
-
 def is_applied(fs: Optional[ModuleType]) -> bool:
     """Whether the ``dataclasses`` global that torch's ``finish`` uses is our stand-in."""
     if fs is None:
         return False
+    return bool(kept_attributes(fs))
+
+
+def kept_attributes(fs: Optional[ModuleType]) -> Tuple[str, ...]:
+    """What the ``replace`` of the ``dataclasses`` that torch's ``finish`` uses carries over."""
     finish = unwrap(getattr(getattr(fs, "FileSystemWriter", None), "finish", None))
-    namespace = getattr(finish, "__globals__", None) or vars(fs)
-    return bool(getattr(namespace.get("dataclasses"), MARK, False))
+    namespace = getattr(finish, "__globals__", None) or (vars(fs) if fs is not None else {})
+    return tuple(getattr(getattr(namespace.get("dataclasses"), "replace", None), MARK, ()))
 
 
 def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
@@ -234,15 +221,14 @@ def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bo
     if not decision.needed or finish is None or finish.namespace is None or ev.metadata_type is None:
         return decision, is_applied(ev.fs)
     namespace = finish.namespace
-    current = namespace.get("dataclasses")
-    if getattr(current, MARK, False):
-        if set(ev.attributes) <= set(getattr(current, MARK)):
-            return decision, True
-        current = dataclasses  # another megatron-core sets more: rebuild around the real module
-    elif current is not dataclasses:
+    if set(ev.attributes) <= set(kept_attributes(ev.fs)):
+        return decision, True
+    # Another megatron-core may set more than an earlier rebinding keeps: carry both.
+    attributes = tuple(dict.fromkeys(kept_attributes(ev.fs) + ev.attributes))
+    replace = keeping_replace(dataclasses.replace, ev.metadata_type, attributes)
+    why = "replace() keeps %s on torch's Metadata" % ", ".join(attributes)
+    refused = standin.rebind(namespace, "dataclasses", dataclasses, {"replace": replace}, why)
+    if refused:
         where = namespace.get("__name__", "torch's filesystem module")
-        return policy.Decision(
-            True, "%s; but %s.dataclasses is already %r, so it is left alone" % (decision.reason, where, current)
-        ), False
-    namespace["dataclasses"] = DataclassesKeepingAttributes(current, ev.metadata_type, ev.attributes)
+        return policy.Decision(True, "%s; but %s.%s, so it is left alone" % (decision.reason, where, refused)), False
     return decision, True

@@ -370,6 +370,9 @@ class Decision(NamedTuple):
     needed: Optional[bool]  # None: cannot tell
     reason: str
     plan: Optional[Plan] = None  # set when the fix should be applied
+    # For a fix over several modules: which module (and functions) the reason is about, so
+    # that status states one reason once for all the modules it holds for.
+    where: str = ""
 
 
 def decide(

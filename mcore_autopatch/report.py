@@ -19,9 +19,12 @@ import mcore_autopatch
 from mcore_autopatch import fixes, policy
 from mcore_autopatch.writers import KNOWN_WRITERS, KnownWriter
 
-WRITE_ITEM_FIX = {f.watches: f for f in fixes.FIXES if f.name == "write_item"}
+WRITE_ITEM_FIX = {f.watches[0]: f for f in fixes.FIXES if f.name == "write_item"}
 
 STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
+# status imports the checkpointing modules the fixes watch (a save imports them too); the
+# model-code modules some fixes watch are judged from their code instead.
+CHECKPOINTING = "megatron.core.dist_checkpointing."
 
 # check's exit codes
 ACTIVE_OR_NOT_NEEDED, NEEDED_NOT_ACTIVE, CANNOT_TELL = 0, 1, 2
@@ -185,33 +188,62 @@ def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[st
 
 
 def fix_status(fix: fixes.Fix, installed: bool, mode: str, decided: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """One fix of the table: what it reads and rebinds, whether it is needed and applied.
+    """One fix of the table: what it reads and rebinds, whether it is needed and applied, over
+    its watched modules that are imported here (or readable without importing them).
     ``decided``: needed / applied / reason / hook_decision already worked out (the writer
     fix's, from ``writer_status``), so that nothing is read twice."""
     row: Dict[str, Any] = {
         "fix": fix.name,
         "library": fix.library,
-        "module": fix.watches,
+        "module": fix.watches[0],
+        "modules": list(fix.watches),
         "reads": fix.reads,
         "rebinds": fix.rebinds,
         "needed": None,
         "applied": False,
         "reason": "",
+        "skipped": fixes.is_skipped(fix),
         "hook_decision": fixes.last_decision(fix),
     }
-    module = sys.modules.get(fix.watches)
     if decided is not None:
         row.update(decided)
-    elif module is None:
-        if installed:
-            row["reason"] = "%s is not imported in this process (yet)" % fix.watches
-        else:
-            row.update(needed=False, reason="%s is not installed in this interpreter: nothing to fix" % fix.library)
+        return row
+    answers = module_answers(fix, mode)
+    if answers:
+        row.update(fixes.combine(answers) or {})
+    elif installed:
+        row["reason"] = "%s is not imported in this process (yet)" % " / ".join(fix.watches)
     else:
-        implementation = fix.implemented_by()
-        decision = implementation.evaluate(module, "auto" if mode == "off" else mode).decision
-        row.update(needed=decision.needed, applied=implementation.is_applied(module), reason=decision.reason)
+        row.update(needed=False, reason="%s is not installed in this interpreter: nothing to fix" % fix.library)
+    if row["skipped"] and row["needed"] is not False:
+        row["reason"] += "; skipped: %s names it" % fixes.SKIP_ENV
     return row
+
+
+def module_answers(fix: fixes.Fix, mode: str) -> List[Dict[str, Any]]:
+    """needed / applied / reason for each watched module of ``fix`` that can be judged here:
+    the imported ones, and (for a fix that acts while a body runs) the ones whose code can
+    be read without importing them; those are applied when the hook is active for them."""
+    implementation = fix.implemented_by()
+    judge_mode = "auto" if mode == "off" else mode
+    active = mode != "off" and mcore_autopatch.installed_finder() is not None and not fixes.is_skipped(fix)
+    answers = []
+    for name in fix.watches:
+        module = sys.modules.get(name)
+        if module is not None:
+            decision = implementation.evaluate(module, judge_mode).decision
+            applied = implementation.is_applied(module)
+        elif hasattr(implementation, "evaluate_unimported"):
+            ev = implementation.evaluate_unimported(name, judge_mode)
+            if ev is None:
+                continue  # not in this release
+            decision, applied = ev.decision, bool(ev.decision.needed) and active
+        else:
+            continue
+        answers.append(
+            {"needed": decision.needed, "applied": applied, "reason": decision.reason, "where": decision.where}
+        )
+    return answers
 
 
 def status(import_writer: bool = False) -> Dict[str, Any]:
@@ -239,8 +271,10 @@ def status(import_writer: bool = False) -> Dict[str, Any]:
     by_library = {row["name"]: row for row in rows}
     for fix in fixes.FIXES:
         writer_row = by_library.get(fix.library)
-        if import_writer and writer_row and writer_row["imported"] and fix.watches not in sys.modules:
-            _import_writer(fix.watches)  # e.g. megatron-core's strategies.torch, as a save imports it
+        if import_writer and writer_row and writer_row["imported"]:
+            for name in fix.watches:
+                if name not in sys.modules and name.startswith(CHECKPOINTING):
+                    _import_writer(name)  # e.g. megatron-core's strategies.torch, as a save imports it
     fix_rows = []
     for fix in fixes.FIXES:
         writer_row = by_library.get(fix.library) or {}

@@ -15,12 +15,14 @@ stdout carries one line, the verdict (``selftest: passed`` / ``FAILED: ...`` / `
 run: ...``); what it does and how long each step took go to stderr.
 """
 
+import contextlib
 import importlib
 import inspect
+import os
 import sys
 import tempfile
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 from mcore_autopatch import IMPORTER_MODULE, WRITER_MODULE
 
@@ -35,16 +37,39 @@ def _say(out: TextIO, message: str) -> None:
 
 
 class _Streams:
-    """Where the verdict goes (stdout) and where progress and timings go (stderr)."""
+    """Progress and timings go to stderr at once; the verdict is kept for stdout, written once
+    torch and megatron-core are done (they may print on file descriptor 1 themselves)."""
 
-    def __init__(self, out: TextIO, err: TextIO) -> None:
-        self.out, self.err = out, err
+    def __init__(self, err: TextIO) -> None:
+        self.err = err
+        self.said = ""
 
     def progress(self, message: str) -> None:
         _say(self.err, message)
 
     def verdict(self, message: str) -> None:
-        _say(self.out, message)
+        self.said = message
+
+
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """While torch works, what it (or gloo, from C++) writes to file descriptor 1 goes to
+    stderr: torch 2.9's gloo prints "[Gloo] Rank 0 is connected to 0 peer ranks" there."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):  # no real descriptors (a test's stream): nothing to protect
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _needs_cuda(exc: BaseException, torch: Any) -> bool:
@@ -53,7 +78,14 @@ def _needs_cuda(exc: BaseException, torch: Any) -> bool:
 
 
 def run(out: Optional[TextIO] = None, folder: Optional[str] = None, err: Optional[TextIO] = None) -> int:
-    streams = _Streams(out or sys.stdout, err or sys.stderr)
+    streams = _Streams(err or sys.stderr)
+    with _native_stdout_to_stderr():
+        code = _run(streams, folder)
+    _say(out or sys.stdout, streams.said)
+    return code
+
+
+def _run(streams: _Streams, folder: Optional[str]) -> int:
     started = time.perf_counter()
     try:
         from mcore_autopatch.report import quiet_imports
@@ -109,11 +141,17 @@ def run(out: Optional[TextIO] = None, folder: Optional[str] = None, err: Optiona
 
 
 def _plain_state(torch: Any, zeros: bool) -> "tuple[Any, Any, str]":
+    """A tensor, and ``args`` in the common state as Megatron-LM keeps them (an
+    ``argparse.Namespace``, which torch >= 2.6 refuses to load by default)."""
+    import argparse
+
     from megatron.core.dist_checkpointing import ShardedTensor
 
     expected = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    args = argparse.Namespace(ckpt_format="torch_dist", use_distributed_optimizer=True, lr=1e-4)
     data = torch.zeros_like(expected) if zeros else expected.clone()
-    return {KEY: ShardedTensor.from_rank_offsets(KEY, data, replica_id=0)}, {KEY: expected}, "one 64x64 float32 tensor"
+    state = {KEY: ShardedTensor.from_rank_offsets(KEY, data, replica_id=0), "args": None if zeros else args}
+    return state, {KEY: expected, "args": args}, "one 64x64 float32 tensor and Namespace args"
 
 
 def _optimizer_state(torch: Any, zeros: bool) -> "tuple[Any, Any, str]":
@@ -170,7 +208,7 @@ def _round_trip(
         except Exception as exc:
             streams.verdict("FAILED: %s state: the load raised %s: %s" % (name, type(exc).__name__, exc))
             return FAILED
-        differing = sorted(k for k, v in expected.items() if not torch.equal(loaded[k], v))
+        differing = sorted(k for k, v in expected.items() if not _equal(torch, loaded.get(k), v))
         if differing:
             streams.verdict(
                 "FAILED: %s state: loaded values differ from the saved ones: %s" % (name, ", ".join(differing))
@@ -181,6 +219,12 @@ def _round_trip(
             % (name, saved, time.perf_counter() - started - saved),
         )
     return PASSED
+
+
+def _equal(torch: Any, loaded: Any, expected: Any) -> bool:
+    if isinstance(expected, torch.Tensor):
+        return isinstance(loaded, torch.Tensor) and torch.equal(loaded, expected)
+    return bool(loaded == expected)
 
 
 def _lost_attributes(ckpt: str) -> "list[str]":

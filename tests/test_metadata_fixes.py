@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from mcore_autopatch import checkpoint_metadata as cm
-from mcore_autopatch import fixes, load_guard, metadata_fix
+from mcore_autopatch import fixes, load_guard, metadata_fix, standin
 
 # --- FAKE torch: a Metadata dataclass and two generations of FileSystemWriter.finish ---------
 
@@ -108,10 +108,14 @@ def test_keeping_replace_leaves_other_dataclasses_exactly_as_the_real_replace():
 
 
 def test_stand_in_for_dataclasses_is_the_real_module_but_for_replace():
-    stand_in = metadata_fix.DataclassesKeepingAttributes(dataclasses, FakeMetadata, ("mcore_data",))
+    replace = metadata_fix.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data",))
+    namespace = {"dataclasses": dataclasses}
+    assert standin.rebind(namespace, "dataclasses", dataclasses, {"replace": replace}, "keeps mcore_data") is None
+    stand_in = namespace["dataclasses"]
     assert stand_in.fields is dataclasses.fields and stand_in.dataclass is dataclasses.dataclass
-    assert stand_in.replace is not dataclasses.replace
-    assert "mcore_data" in repr(stand_in)
+    assert stand_in.replace is replace and stand_in.replace is not dataclasses.replace
+    assert "mcore_data" in repr(stand_in) and "dataclasses" in repr(stand_in)
+    assert metadata_fix._is_dataclasses(stand_in)
 
 
 class FakePlanner:  # FAKE megatron-core 0.8-0.14 MCoreSavePlanner

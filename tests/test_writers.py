@@ -40,7 +40,7 @@ def fake_writer_module(source: str, name: str = FAKE_MODULE) -> types.ModuleType
 def test_startup_watch_list_matches_the_table_of_fixes():
     """The startup room cannot import fixes.py; its watch list must name the same modules."""
     assert set(mcore_autopatch._WATCHED) == fixes.watched_modules()
-    assert all(hooks == mcore_autopatch._ON_EXECUTED for hooks in mcore_autopatch._WATCHED.values())
+    assert all(hooks == mcore_autopatch._HOOKS for hooks in mcore_autopatch._WATCHED.values())
     assert {w.module for w in writers.KNOWN_WRITERS} <= fixes.watched_modules()
     assert {name for w in writers.KNOWN_WRITERS for name in w.importers} <= fixes.watched_modules()
     assert writers.MEGATRON_CORE.module == mcore_autopatch.WRITER_MODULE

@@ -1,0 +1,107 @@
+"""megatron-core 0.6 - 0.8 plan each ShardedObject twice on torch 2.4 and later.
+
+megatron-core saves a ShardedObject (Megatron-LM's ``rng_state``, the optimizer's
+``param_groups`` ...) as a ``BytesIO`` in torch's plan. Up to torch 2.3,
+``create_default_local_save_plan`` planned non-tensor values on the coordinator rank only, so
+megatron-core 0.6 - 0.8's ``MCoreSavePlanner._add_non_coordinator_iobytes_request`` added them
+on the other ranks. From torch 2.4 torch plans them on every rank, so they are planned twice,
+and on every rank: those releases pass ``is_coordinator`` to ``set_up_planner`` by position,
+where torch 2.4 put ``storage_meta``, so no rank believes it is the coordinator. The global
+plan then refuses the duplicate (``AssertionError: item.index.fqn not in md`` on current
+torch): no checkpoint with a ShardedObject can be saved. 0.9 plans them itself.
+
+What is read: whether the installed megatron-core's ``MCoreSavePlanner`` defines
+``_add_non_coordinator_iobytes_request``, and whether torch's own
+``create_default_local_save_plan`` plans a ``BytesIO`` on a non-coordinator rank (asked with
+a one-entry state dict: a pure function, nothing is written). What is rebound, only when both
+say so: that method of megatron-core's class, to one that calls it only when the plan lacks
+a request for one of the rank's objects, so each object is planned once, as on torch 2.3.
+"""
+
+import io
+import sys
+from types import ModuleType
+from typing import Any, Callable, NamedTuple, Optional
+
+from mcore_autopatch import policy
+from mcore_autopatch.writers import MEGATRON_CORE
+
+NAME = "sharded_objects_planned_once"
+PLANNER = "MCoreSavePlanner"
+METHOD = "_add_non_coordinator_iobytes_request"
+TORCH_PLANNER_MODULE = "torch.distributed.checkpoint.default_planner"
+MARK = "__mcore_autopatch__"
+
+
+class Evaluation(NamedTuple):
+    decision: policy.Decision
+    planner: Optional[type] = None
+
+
+def torch_plans_objects_on_every_rank() -> "tuple[Optional[bool], str]":
+    """Whether torch's ``create_default_local_save_plan`` plans a BytesIO on a rank that is
+    not the coordinator, asked of torch itself."""
+    torch = sys.modules.get("torch")
+    label = "torch %s" % getattr(torch, "__version__", "(unknown version)")
+    planner_module = sys.modules.get(TORCH_PLANNER_MODULE)
+    plan = getattr(planner_module, "create_default_local_save_plan", None)
+    if plan is None:
+        return None, "%s has no create_default_local_save_plan" % label
+    try:
+        items = plan({"mcore_autopatch.probe": io.BytesIO()}, False).items
+    except Exception as exc:
+        return None, "%s's create_default_local_save_plan cannot be asked (%s)" % (label, exc)
+    if any(getattr(item.index, "fqn", None) == "mcore_autopatch.probe" for item in items):
+        return True, "%s's create_default_local_save_plan plans them on every rank" % label
+    return False, "%s plans them on the coordinator only" % label
+
+
+def evaluate(module: ModuleType, mode: str) -> Evaluation:
+    megatron = "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
+    planner = vars(module).get(PLANNER)
+    if not isinstance(planner, type) or METHOD not in vars(planner):
+        return Evaluation(policy.Decision(False, "%s plans its ShardedObjects itself" % megatron))
+    every_rank, why = torch_plans_objects_on_every_rank()
+    adds = "%s's %s.%s adds a write request for each ShardedObject on ranks it takes for non-coordinators" % (
+        megatron,
+        PLANNER,
+        METHOD,
+    )
+    if every_rank is None:
+        return Evaluation(policy.Decision(None, "%s; %s; not patching" % (adds, why)), planner)
+    if not every_rank:
+        return Evaluation(policy.Decision(False, "%s; %s, as that release expects" % (adds, why)), planner)
+    reason = (
+        "%s (every rank: it passes is_coordinator where torch 2.4+ takes storage_meta); %s, so each is planned "
+        "twice and the save fails: the method now adds only the requests the plan lacks" % (adds, why)
+    )
+    return Evaluation(policy.Decision(True, reason), planner)
+
+
+def adding_only_what_is_missing(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's own method, called only when the plan lacks one of the rank's objects."""
+
+    def _add_non_coordinator_iobytes_request(self: Any, plan: Any) -> Any:
+        planned = {getattr(item.index, "fqn", None) for item in plan.items}
+        if all(fqn in planned for fqn, obj in self.state_dict.items() if isinstance(obj, io.BytesIO)):
+            return None  # torch planned every object of this rank already
+        return original(self, plan)
+
+    _add_non_coordinator_iobytes_request.__wrapped__ = original  # type: ignore[attr-defined]
+    _add_non_coordinator_iobytes_request.__doc__ = getattr(original, "__doc__", None)
+    setattr(_add_non_coordinator_iobytes_request, MARK, True)
+    return _add_non_coordinator_iobytes_request
+
+
+def is_applied(module: ModuleType) -> bool:
+    planner = vars(module).get(PLANNER)
+    return isinstance(planner, type) and bool(getattr(vars(planner).get(METHOD), MARK, False))
+
+
+def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+    ev = evaluate(module, mode)
+    if not ev.decision.needed or ev.planner is None:
+        return ev.decision, is_applied(module)
+    if not is_applied(module):
+        setattr(ev.planner, METHOD, adding_only_what_is_missing(vars(ev.planner)[METHOD]))
+    return ev.decision, True

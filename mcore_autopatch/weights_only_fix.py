@@ -1,0 +1,139 @@
+"""megatron-core's own reads of its checkpoint files, as they were on the torch they were written for.
+
+torch 2.6 made ``weights_only=True`` the default of ``torch.load``. megatron-core 0.6 - 0.10
+read the checkpoint's ``common.pt`` (and the files of sharded objects) with a bare
+``torch.load`` (serialization.py in 0.6/0.7, strategies/common.py in 0.8 - 0.10); Megatron-LM
+keeps ``args``, an ``argparse.Namespace``, in ``common.pt``, so every resume fails with
+``UnpicklingError: Weights only load failed ... argparse.Namespace``. 0.11 - 0.13 pass
+``weights_only=False`` themselves; 0.14 and later register their own allowlist with torch
+(``megatron.core.safe_globals``) and are left to it.
+
+What the call loads is what those releases loaded on the torch they were written for, where
+``weights_only`` defaulted to False: the whole pickle. That adds no trust a torch_dist
+checkpoint does not already need: torch's own reader unpickles the same folder's
+``.metadata`` with ``pickle.load`` and every sharded object with ``torch.load(...,
+weights_only=False)`` (docs/how-it-works.md). ``MCORE_AUTOPATCH_SKIP=torch_load_weights_only``
+keeps torch's default instead.
+
+What is read: which functions of the watched module load ``torch.load`` and never name
+``weights_only`` (bytecode), whether megatron-core registered its own allowlist, and what
+torch's ``load`` does with a call that passes no ``weights_only`` (torch's own
+``_default_to_weights_only``, and its ``TORCH_FORCE_*WEIGHTS_ONLY_LOAD`` variables). What is
+rebound, only when such a call would load with ``weights_only=True``: that module's ``torch``
+global, to a stand-in that is the real torch for every name but ``load``, which passes
+``weights_only=False`` when a call passes none. ``torch.load`` itself is unchanged for every
+other caller.
+"""
+
+import os
+import sys
+from types import ModuleType
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+
+from mcore_autopatch import code_reading, policy, standin
+from mcore_autopatch.writers import MEGATRON_CORE
+
+NAME = "torch_load_weights_only"
+OWN_ALLOWLIST_MODULE = "megatron.core.safe_globals"  # megatron-core 0.14+: its own choice
+_TRUE = ("1", "y", "yes", "true")
+MARK = "__mcore_autopatch__"
+
+
+class Evaluation(NamedTuple):
+    decision: policy.Decision
+    torch: Optional[ModuleType] = None
+    owners: Tuple[str, ...] = ()
+    callers: Tuple[str, ...] = ()
+
+
+def torch_default(torch: ModuleType) -> "tuple[Optional[bool], str]":
+    """What torch's ``load`` uses for ``weights_only`` when a call passes none, and why."""
+    forced = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    unforced = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if forced:
+        return True, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set"
+    if unforced:
+        return False, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set"
+    default = getattr(getattr(torch, "serialization", None), "_default_to_weights_only", None)
+    if default is None:
+        return False, "torch %s loads the whole pickle unless told otherwise" % getattr(torch, "__version__", "?")
+    try:
+        return bool(default(None)), "torch %s loads with weights_only=%s unless told otherwise" % (
+            torch.__version__,
+            bool(default(None)),
+        )
+    except Exception as exc:
+        return None, "torch's default for weights_only cannot be read (%s)" % exc
+
+
+def _megatron() -> str:
+    return "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
+
+
+def evaluate(module: ModuleType, mode: str) -> Evaluation:
+    where = code_reading.short_name(module.__name__)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return Evaluation(policy.Decision(False, "%s: torch is not imported" % _megatron(), where=where))
+    owners = code_reading.globals_bound_to(module, torch, standin.real_module)
+    callers = tuple(
+        qualname
+        for qualname, code in code_reading.defined_functions(module)
+        if code_reading.attributes_loaded(code, owners, frozenset(("load",)))
+        and "weights_only" not in code_reading.mentions(code)
+    )
+    if not callers:
+        reason = "%s passes weights_only to every torch.load of its checkpointing code" % _megatron()
+        return Evaluation(policy.Decision(False, reason, where=where))
+    where = "%s: %s" % (where, ", ".join(callers))
+    reads = "%s reads checkpoint files with torch.load and no weights_only" % _megatron()
+    if OWN_ALLOWLIST_MODULE in sys.modules:
+        reason = "%s, and registers its own allowlist with torch (%s): left to it" % (reads, OWN_ALLOWLIST_MODULE)
+        return Evaluation(policy.Decision(False, reason, where=where))
+    default, why = torch_default(torch)
+    if default is None:
+        return Evaluation(policy.Decision(None, "%s; %s; not patching" % (reads, why), where=where))
+    if not default:
+        return Evaluation(policy.Decision(False, "%s; %s, as that release expects" % (reads, why), where=where))
+    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE:
+        reason = "%s; TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which torch applies whatever a call passes: not patching"
+        return Evaluation(policy.Decision(None, reason % reads, where=where))
+    reason = (
+        "%s; %s, which refuses the argparse.Namespace Megatron-LM keeps in common.pt: the torch.load of each module "
+        "that reads them passes weights_only=False when a call passes none, as on the torch that release was "
+        "written for" % (reads, why)
+    )
+    return Evaluation(policy.Decision(True, reason, where=where), torch, tuple(sorted(owners)), callers)
+
+
+def loading_whole_pickle_by_default(real_load: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.load`` with ``weights_only=False`` when the caller passes none."""
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("weights_only", False)
+        return real_load(*args, **kwargs)
+
+    load.__wrapped__ = real_load  # type: ignore[attr-defined]
+    load.__doc__ = getattr(real_load, "__doc__", None)
+    setattr(load, MARK, True)
+    return load
+
+
+def is_applied(module: ModuleType) -> bool:
+    return any("load" in standin.overrides(value) for value in vars(module).values())
+
+
+def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+    ev = evaluate(module, mode)
+    if not ev.decision.needed or ev.torch is None:
+        return ev.decision, is_applied(module)
+    namespace = vars(module)
+    for owner in ev.owners:
+        if "load" in standin.overrides(namespace.get(owner)):
+            continue
+        load = loading_whole_pickle_by_default(ev.torch.load)
+        refused = standin.rebind(namespace, owner, ev.torch, {"load": load}, "load() defaults to weights_only=False")
+        if refused:
+            reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
+            return policy.Decision(True, reason), False
+    return ev.decision, True

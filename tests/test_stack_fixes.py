@@ -1,0 +1,388 @@
+"""Units of the fixes for the stack around megatron-core (numpy 2, torch's weights_only default,
+torch 2.4's planning of ShardedObjects), on modules named FAKE that stand in for the shapes of
+code they read; tests/test_e2e_fresh_stack.py runs them on the real releases.
+
+Each fix rebinds one global (or one method) of megatron-core's own code: the tests check what
+is read, that the rebinding holds only there, and that the real module stays untouched.
+"""
+
+import functools
+import io
+import textwrap
+import types
+from typing import Any, Dict, List
+
+import pytest
+
+from mcore_autopatch import code_reading, fixes, numpy_fix, planner_fix, policy, standin, weights_only_fix
+
+
+def fake_module(name: str, source: str, **globals_: Any) -> types.ModuleType:
+    """A module named ``name`` whose functions are defined by ``source`` (so they are its own)."""
+    module = types.ModuleType(name, "FAKE module (tests/test_stack_fixes.py)")
+    vars(module).update(globals_)
+    exec(compile(textwrap.dedent(source), "<fake %s>" % name, "exec"), vars(module))
+    return module
+
+
+@pytest.fixture(autouse=True)
+def megatron_version(monkeypatch):
+    fake = policy.WriterVersion("0.12.1", (0, 12, 1), "metadata")
+    monkeypatch.setattr(policy, "writer_version", lambda writer: fake)
+
+
+# --- reading code -------------------------------------------------------------------------------
+
+READ_ME = """
+    import functools
+
+    def plain(shape):
+        return np.product(shape)
+
+    def nested(shapes):
+        return [np.product(s) for s in shapes]
+
+    def lambda_inside(shapes):
+        return sorted(shapes, key=lambda s: np.cumproduct(s)[-1])
+
+    def other_owner(obj):
+        return obj.product(3), self_product(np)
+
+    def shadowed(np):
+        return np.product(2)
+
+    def self_product(x):
+        return x
+
+    class Holder:
+        def method(self):
+            return np.alltrue([True])
+
+        @staticmethod
+        def static():
+            return np.sometrue([False])
+
+        @property
+        def prop(self):
+            return np.product([2, 3])
+
+    def decorator(f):
+        @functools.wraps(f)
+        def wrapper(*a, **k):
+            return f(*a, **k)
+        return wrapper
+
+    @decorator
+    def wrapped(shape):
+        return np.product(shape)
+
+    def loads(path):
+        return torch.load(path, map_location="cpu")
+
+    def loads_with_keyword(path):
+        return torch.load(path, map_location="cpu", weights_only=False)
+"""
+WANTED = frozenset(numpy_fix.REPLACEMENTS)
+
+
+def loaded_by(module: types.ModuleType) -> Dict[str, Any]:
+    return {
+        name: code_reading.attributes_loaded(code, frozenset(("np",)), WANTED)
+        for name, code in code_reading.defined_functions(module)
+    }
+
+
+def test_attributes_loaded_reads_global_attribute_loads_in_every_kind_of_function():
+    found = loaded_by(fake_module("fake.reading", READ_ME, np=object(), torch=object()))
+    assert found["plain"] == {"product"}
+    assert found["nested"] == {"product"}  # in a comprehension
+    assert found["lambda_inside"] == {"cumproduct"}  # in a lambda
+    assert found["Holder.method"] == {"alltrue"}
+    assert found["Holder.static"] == {"sometrue"}
+    assert found["Holder.prop"] == {"product"}  # a property's getter
+    assert found["wrapped"] == {"product"}  # through functools.wraps
+    assert found["other_owner"] == frozenset()  # obj.product is not numpy's
+    assert found["shadowed"] == frozenset()  # a parameter named np is not the global
+
+
+def test_mentions_has_keyword_argument_names_and_defined_functions_skip_imported_ones():
+    module = fake_module("fake.reading", READ_ME, np=object(), torch=object(), imported=functools.partial)
+    codes = dict(code_reading.defined_functions(module))
+    assert "weights_only" in code_reading.mentions(codes["loads_with_keyword"])
+    assert "weights_only" not in code_reading.mentions(codes["loads"])
+    assert "imported" not in codes and "decorator" in codes
+
+
+# --- the stand-in --------------------------------------------------------------------------------
+
+
+def test_stand_in_is_the_real_module_but_for_its_overrides_and_the_real_one_is_untouched():
+    real = types.ModuleType("fakenumpy", "FAKE numpy")
+    real.prod = lambda x: "prod"  # type: ignore[attr-defined]
+    namespace: Dict[str, Any] = {"np": real}
+    assert standin.rebind(namespace, "np", real, {"product": real.prod}, "product is prod") is None
+    stand_in = namespace["np"]
+    assert stand_in.product is real.prod and stand_in.prod is real.prod
+    assert not hasattr(real, "product")
+    real.added_later = 1  # type: ignore[attr-defined]
+    assert stand_in.added_later == 1  # looked up at each use
+    assert standin.real_module(stand_in) is real and standin.overrides(stand_in) == ("product",)
+    assert "product is prod" in repr(stand_in) and "product" in dir(stand_in)
+
+
+def test_stand_in_keeps_earlier_overrides_and_refuses_a_global_that_is_not_the_module():
+    real = types.ModuleType("fakenumpy", "FAKE numpy")
+    namespace: Dict[str, Any] = {"np": real}
+    standin.rebind(namespace, "np", real, {"product": 1}, "first")
+    standin.rebind(namespace, "np", real, {"cumproduct": 2}, "second")
+    assert (namespace["np"].product, namespace["np"].cumproduct) == (1, 2)
+    shim = object()
+    namespace = {"np": shim}
+    refused = standin.rebind(namespace, "np", real, {"product": 1}, "why")
+    assert refused and refused.startswith("np is already") and namespace["np"] is shim
+
+
+# --- numpy_removed_names ---------------------------------------------------------------------------
+
+
+def fake_numpy(version: str, has_product: bool) -> types.ModuleType:
+    numpy = types.ModuleType("numpy", "FAKE numpy %s" % version)
+    numpy.__version__ = version  # type: ignore[attr-defined]
+    numpy.prod = lambda values: functools.reduce(lambda a, b: a * b, values, 1)  # type: ignore[attr-defined]
+    numpy.cumprod, numpy.all, numpy.any = (lambda v: v), all, any  # type: ignore[attr-defined]
+    if has_product:  # numpy 1.x still has every alias numpy 2 removed
+        numpy.product, numpy.cumproduct = numpy.prod, numpy.cumprod  # type: ignore[attr-defined]
+        numpy.alltrue, numpy.sometrue = all, any  # type: ignore[attr-defined]
+    return numpy
+
+
+VALIDATION = """
+    def _validate_sharding_for_key_flattened(shape):
+        return np.product(shape)
+
+    def unrelated():
+        return np.zeros(3)
+"""
+
+
+def test_numpy_fix_gives_the_removed_name_to_that_module_only(monkeypatch):
+    numpy = fake_numpy("2.4.6", has_product=False)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", numpy)
+    module = fake_module("megatron.core.dist_checkpointing.validation", VALIDATION, np=numpy)
+    other = fake_module("megatron.core.dist_checkpointing.mapping", "def f():\n    return np.prod([2])\n", np=numpy)
+    ev = numpy_fix.evaluate(module, "auto")
+    assert ev.decision.needed is True
+    assert ev.missing == ("product",) and ev.callers == ("_validate_sharding_for_key_flattened",)
+    assert ev.decision.reason.startswith("megatron-core 0.12.1 calls numpy.product, which numpy 2.4.6 no longer has")
+    assert ev.decision.where == "dist_checkpointing.validation: _validate_sharding_for_key_flattened"
+    _decision, applied = numpy_fix.apply(module, "auto")
+    assert applied and numpy_fix.is_applied(module)
+    assert module._validate_sharding_for_key_flattened((2, 3, 4)) == 24
+    assert not hasattr(numpy, "product")  # numpy itself is untouched
+    assert other.np is numpy and numpy_fix.evaluate(other, "auto").decision.needed is False
+    first = module.np
+    numpy_fix.apply(module, "auto")
+    assert module.np is first  # a second look changes nothing
+
+
+def test_numpy_fix_is_not_needed_on_numpy_1(monkeypatch):
+    numpy = fake_numpy("1.26.4", has_product=True)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", numpy)
+    module = fake_module("megatron.core.dist_checkpointing.validation", VALIDATION, np=numpy)
+    decision, applied = numpy_fix.apply(module, "auto")
+    assert (decision.needed, applied) == (False, False)
+    assert module.np is numpy
+    assert "numpy 1.26.4 has every name its checkpointing code calls" in decision.reason
+
+
+def test_numpy_fix_leaves_a_jobs_own_numpy_shim_alone(monkeypatch):
+    numpy = fake_numpy("2.4.6", has_product=False)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", numpy)
+    module = fake_module("megatron.core.dist_checkpointing.validation", VALIDATION, np=numpy)
+    shim = standin.ModuleStandIn(numpy, {"zeros": None}, "a FAKE shim of a job's")
+    module.np = types.SimpleNamespace(product=numpy.prod)  # FAKE: a job's own np, not numpy
+    decision, applied = numpy_fix.apply(module, "auto")
+    assert decision.needed is False and not applied  # its np is not numpy: nothing of ours to do
+    module.np = shim
+    decision, applied = numpy_fix.apply(module, "auto")
+    assert applied and module.np.product is numpy.prod and module.np.zeros is None  # the shim's own kept
+
+
+# --- torch_load_weights_only -------------------------------------------------------------------------
+
+
+class FakeTorch(types.ModuleType):
+    """FAKE torch: ``load`` records its keyword arguments; ``serialization`` says the default."""
+
+    def __init__(self, version: str, default_weights_only: Any) -> None:
+        super().__init__("torch", "FAKE torch %s" % version)
+        self.__version__ = version
+        self.calls: List[Dict[str, Any]] = []
+        self.serialization = types.SimpleNamespace()
+        if default_weights_only is not None:
+            self.serialization._default_to_weights_only = lambda pickle_module: default_weights_only
+
+    def load(self, f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+        self.calls.append(dict(kwargs, map_location=map_location))
+        return "loaded"
+
+
+COMMON = """
+    class TorchCommonLoadStrategy:
+        def load_common(self, path):
+            return torch.load(path, map_location="cpu")
+
+        def load_sharded_objects(self, path):
+            return torch.load(path)
+
+    def newer_release(path):
+        return torch.load(path, weights_only=False)
+"""
+
+
+def test_weights_only_fix_restores_the_whole_pickle_for_that_modules_calls_only(monkeypatch):
+    torch = FakeTorch("2.13.0", default_weights_only=True)
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    module = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=torch)
+    ev = weights_only_fix.evaluate(module, "auto")
+    assert ev.decision.needed is True
+    assert ev.callers == ("TorchCommonLoadStrategy.load_common", "TorchCommonLoadStrategy.load_sharded_objects")
+    assert "torch 2.13.0 loads with weights_only=True unless told otherwise" in ev.decision.reason
+    _decision, applied = weights_only_fix.apply(module, "auto")
+    assert applied and weights_only_fix.is_applied(module)
+    module.TorchCommonLoadStrategy().load_common("common.pt")
+    module.newer_release("x.pt")
+    torch.load("elsewhere.pt")  # torch itself: unchanged
+    assert torch.calls == [
+        {"weights_only": False, "map_location": "cpu"},
+        {"weights_only": False, "map_location": None},
+        {"map_location": None},
+    ]
+    assert module.torch.__version__ == "2.13.0" and module.torch.load is not torch.load
+
+
+@pytest.mark.parametrize(
+    "default,environment,needed,words",
+    [
+        (None, {}, False, "loads the whole pickle unless told otherwise"),  # torch <= 2.5
+        (False, {}, False, "weights_only=False unless told otherwise"),
+        (True, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, False, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set"),
+        (True, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}, None, "applies whatever a call passes: not patching"),
+    ],
+)
+def test_weights_only_fix_follows_what_torch_does_with_a_call_without_it(
+    monkeypatch, default, environment, needed, words
+):
+    torch = FakeTorch("2.x", default_weights_only=default)
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    module = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=torch)
+    decision, applied = weights_only_fix.apply(module, "auto")
+    assert (decision.needed, applied) == (needed, False)
+    assert words in decision.reason
+    assert module.torch is torch
+
+
+def test_weights_only_fix_leaves_a_release_with_its_own_allowlist_alone(monkeypatch):
+    torch = FakeTorch("2.13.0", default_weights_only=True)
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    monkeypatch.setitem(__import__("sys").modules, weights_only_fix.OWN_ALLOWLIST_MODULE, types.ModuleType("FAKE"))
+    module = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=torch)
+    decision, applied = weights_only_fix.apply(module, "auto")
+    assert (decision.needed, applied) == (False, False)
+    assert "registers its own allowlist with torch" in decision.reason
+
+
+# --- sharded_objects_planned_once ---------------------------------------------------------------------
+
+
+class FakeItem:
+    def __init__(self, fqn: str) -> None:
+        self.index = types.SimpleNamespace(fqn=fqn)
+
+
+def fake_torch_planner(every_rank: bool) -> types.ModuleType:
+    """FAKE torch.distributed.checkpoint.default_planner: plans BytesIO values on every rank
+    (torch >= 2.4) or on the coordinator only (torch <= 2.3)."""
+    module = types.ModuleType(planner_fix.TORCH_PLANNER_MODULE, "FAKE default_planner")
+
+    def create_default_local_save_plan(state_dict: Dict[str, Any], is_coordinator: bool) -> Any:
+        items = [
+            FakeItem(k) for k, v in state_dict.items() if every_rank or is_coordinator or not isinstance(v, io.BytesIO)
+        ]
+        return types.SimpleNamespace(items=items)
+
+    module.create_default_local_save_plan = create_default_local_save_plan  # type: ignore[attr-defined]
+    return module
+
+
+PLANNER = """
+    class MCoreSavePlanner:  # FAKE megatron-core 0.6-0.8
+        is_coordinator = False
+
+        def __init__(self, state_dict):
+            self.state_dict = state_dict
+
+        def create_local_plan(self):
+            plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+            self._add_non_coordinator_iobytes_request(plan)
+            return plan
+
+        def _add_non_coordinator_iobytes_request(self, plan):
+            if self.is_coordinator:
+                return
+            for fqn, obj in self.state_dict.items():
+                if isinstance(obj, io.BytesIO):
+                    plan.items.append(FakeItem(fqn))
+"""
+
+
+@pytest.mark.parametrize("every_rank", [True, False])
+def test_planner_fix_plans_each_sharded_object_once(monkeypatch, every_rank):
+    torch_planner = fake_torch_planner(every_rank)
+    monkeypatch.setitem(__import__("sys").modules, planner_fix.TORCH_PLANNER_MODULE, torch_planner)
+    module = fake_module(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        PLANNER,
+        io=io,
+        FakeItem=FakeItem,
+        create_default_local_save_plan=torch_planner.create_default_local_save_plan,
+    )
+    state = {"rng_state/shard_0_1": io.BytesIO(), "weight": object()}
+    before = [item.index.fqn for item in module.MCoreSavePlanner(state).create_local_plan().items]
+    decision, applied = planner_fix.apply(module, "auto")
+    after = [item.index.fqn for item in module.MCoreSavePlanner(state).create_local_plan().items]
+    assert (decision.needed, applied) == (every_rank, every_rank)
+    assert sorted(after) == ["rng_state/shard_0_1", "weight"]  # each once, whichever torch
+    assert before.count("rng_state/shard_0_1") == (2 if every_rank else 1)
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def test_combine_states_each_reason_once_with_where_it_holds():
+    rows = [
+        {"needed": True, "applied": True, "reason": "calls numpy.product", "where": "validation: f"},
+        {"needed": True, "applied": True, "reason": "calls numpy.product", "where": "mapping: g"},
+        {"needed": False, "applied": False, "reason": "has none", "where": "serialization"},
+    ]
+    assert fixes.combine(rows) == {
+        "needed": True,
+        "applied": True,
+        "reason": "calls numpy.product (in validation: f; mapping: g)",
+    }
+    rows[1]["applied"] = False
+    assert fixes.combine(rows)["applied"] is False  # every module that needs it must have it
+    assert fixes.combine([]) is None
+
+
+def test_skip_names_fixes_and_a_skipped_fix_is_read_but_not_applied(monkeypatch):
+    monkeypatch.setenv(fixes.SKIP_ENV, "torch_load_weights_only, numpy_removed_names")
+    assert fixes.skipped_names() == {"torch_load_weights_only", "numpy_removed_names"}
+    assert fixes.is_skipped(fixes.by_name("numpy_removed_names"))
+    assert not fixes.is_skipped(fixes.by_name("write_item"))
