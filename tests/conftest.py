@@ -9,6 +9,7 @@ with one megatron-core release on ``PYTHONPATH``. Those subprocesses never impor
 mcore_autopatch themselves; only the installed ``.pth`` does.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -45,12 +46,16 @@ AFFECTED = ["0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0
 # tests/test_e2e_source_trees.py), as does 0.11.0 where it matters; 0.8.0 runs the selftest
 # on 2.9.0 and 2.11.0.
 AFFECTED_ON_EVERY_TORCH = ["0.6.0", "0.9.0"]
+# ... on these torches: 2.9.0 and 2.15.0 run both releases through the job path
+# (tests/test_e2e_fresh_stack.py), and 2.11.0 has 2.9.0's _write_item.
+PLAIN_TORCHES = ["2.6.0", "2.7.1", "2.8.0", "2.13.0"]
 FIXED_SAVING = ["0.13.0", "0.13.1"]
 FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
 REFERENCE = envs.REFERENCE_MEGATRON  # native serialization_format support: the byte oracle
 
 
 COMPAT_RESULTS = os.path.join(envs.CACHE, "compat-results.json")
+COMPAT_ENVIRONMENTS = os.path.join(envs.CACHE, "compat-environments.json")
 _compat: Dict[str, Dict[str, List[str]]] = {}
 
 
@@ -71,6 +76,13 @@ def pytest_configure(config: Any) -> None:
     sources.update({r: envs.torch_venv_folder(r) for r in selected_torch_releases() if envs.torch_ready(r)})
     if envs.seed_ready() and envs.SEED_TORCH in selected_torch_releases():
         sources["seed"] = envs.SEED
+    # What a fresh image has (numpy 2 or 1.26, setuptools >= 82): "2.9.0-numpy2" and so on.
+    for release in envs.FRESH_TORCH:
+        for line in envs.NUMPY_LINES:
+            if envs.fresh_ready(release, line) and (release == CPU_TORCH or release in selected_torch_releases()):
+                sources[fresh_key(release, line)] = envs.fresh_folder(release, line)
+    if envs.py312_ready() and envs.PY312_TORCH in selected_torch_releases():
+        sources[PY312] = envs.PY312
 
     def clone_with_wheel(name: str) -> str:
         return install_wheel(envs.clone_venv(sources[name], os.path.join(run_dir, "venv-" + name)), wheel)
@@ -83,6 +95,14 @@ def pytest_configure(config: Any) -> None:
     os.environ[TORCH_VENVS_ENV] = json.dumps(pythons)
     os.environ[RUN_DIR_ENV] = run_dir
     config._mcore_autopatch_run_dir = run_dir
+
+
+PY312 = "py312"  # CPython 3.12 with torch 2.9.0 and numpy 2 (envs.py312)
+
+
+def fresh_key(release: str, numpy_line: str) -> str:
+    """The name of a fresh venv among this run's venvs: "2.9.0-numpy2"."""
+    return "%s-%s" % (release, numpy_line)
 
 
 def selected_torch_releases() -> List[str]:
@@ -127,9 +147,9 @@ def torch_params(releases: Optional[List[str]] = None) -> List[Any]:
 
 
 def matrix_params(everywhere: List[str], cpu_only: List[str], what: str) -> List[Any]:
-    """(version, torch_release) pairs: ``everywhere`` on every torch, ``cpu_only`` on 2.13.0,
+    """(version, torch_release) pairs: ``everywhere`` on PLAIN_TORCHES, ``cpu_only`` on 2.13.0,
     each marked as a cell of the compatibility table verifying ``what``."""
-    pairs = [(v, t) for t in TORCH_RELEASES for v in everywhere] + [(v, CPU_TORCH) for v in cpu_only]
+    pairs = [(v, t) for t in PLAIN_TORCHES for v in everywhere] + [(v, CPU_TORCH) for v in cpu_only]
     pairs.sort(key=lambda pair: (TORCH_RELEASES.index(pair[1]), tuple(int(p) for p in pair[0].split("."))))
     return [pytest.param(v, t, marks=pytest.mark.compat(v, what), id="%s-torch%s" % (v, t)) for v, t in pairs]
 
@@ -156,7 +176,30 @@ def _verdict(outcomes: List[str]) -> str:
     return "passed" if all(o == "passed" for o in outcomes) else "skipped"
 
 
+def cached_venvs_with_the_package() -> List[str]:
+    """Cached venvs (never installed into: they are the images *without* mcore-autopatch) that
+    have it all the same, e.g. from a ``pip`` script of a clone, whose first line names the
+    cached venv's python."""
+    folders = [
+        envs.E2E,
+        envs.SEED,
+        envs.PY312,
+        *glob.glob(os.path.join(envs.TORCH_VENVS, "*")),
+        *glob.glob(os.path.join(envs.FRESH, "*")),
+    ]
+    return [
+        folder
+        for folder in folders
+        if glob.glob(os.path.join(folder, "lib", "python3*", "site-packages", "mcore_autopatch*"))
+    ]
+
+
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    if not _is_worker(session.config):
+        polluted = cached_venvs_with_the_package()
+        if polluted:
+            sys.stderr.write("\nERROR: a test installed mcore-autopatch into cached venvs: %s\n" % polluted)
+            session.exitstatus = 1
     option = session.config.option
     if _is_worker(session.config) or not _compat or option.keyword or option.markexpr:
         return  # only a full run (``make test``) rewrites the table's results
@@ -168,6 +211,19 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     }
     with open(COMPAT_RESULTS, "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
+    keys = {key for by_key in summary.values() for key in by_key}
+    with open(COMPAT_ENVIRONMENTS, "w") as f:
+        json.dump({key: envs.described(venv_folder(key)) for key in sorted(keys)}, f, indent=1, sort_keys=True)
+
+
+def venv_folder(key: str) -> str:
+    """The cached venv behind a venv key of the compatibility table ("2.9.0", "2.9.0-numpy2", "py312")."""
+    if key == CPU_TORCH:
+        return envs.E2E
+    if key == PY312:
+        return envs.PY312
+    torch, _, line = key.partition("-")
+    return envs.fresh_folder(torch, line) if line else envs.torch_venv_folder(torch)
 
 
 @pytest.fixture(scope="session")
@@ -193,10 +249,10 @@ def torch_python(wheel_path: str) -> Callable[[str], str]:
 
     def get(release: str) -> str:
         if release not in venvs:
-            if release not in selected_torch_releases():
+            if release.split("-")[0] not in [*selected_torch_releases(), CPU_TORCH] and release != PY312:
                 chosen = os.environ[TORCH_SELECTION_ENV]
                 pytest.skip("torch %s not selected for this run (%s=%r)" % (release, TORCH_SELECTION_ENV, chosen))
-            pytest.skip("torch %s venv missing: run `make test-env` (python3 tools/envs.py torch)" % release)
+            pytest.skip("venv %s missing: run `make test-env` (python3 tools/envs.py)" % release)
         return str(venvs[release])
 
     return get
@@ -210,6 +266,15 @@ def python_without_wheel(wheel_path: str) -> Callable[[str], str]:
     def get(release: str) -> str:
         if release == CPU_TORCH:
             return envs.venv_python(envs.E2E)
+        if release == PY312:
+            if not envs.py312_ready() or envs.PY312_TORCH not in selected_torch_releases():
+                pytest.skip("the CPython 3.12 venv is not part of this run")
+            return envs.venv_python(envs.PY312)
+        torch, _, line = release.partition("-")
+        if line:
+            if not envs.fresh_ready(torch, line) or (torch != CPU_TORCH and torch not in selected_torch_releases()):
+                pytest.skip("fresh venv %s not part of this run" % release)
+            return envs.venv_python(envs.fresh_folder(torch, line))
         if release not in selected_torch_releases() or not envs.torch_ready(release):
             pytest.skip("torch %s venv not part of this run" % release)
         return envs.venv_python(envs.torch_venv_folder(release))
@@ -388,14 +453,16 @@ def run_training_job(
     ranks: int = 2,
     env: Optional[Dict[str, str]] = None,
     timeout: float = 600,
+    path: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Run the job's ``phase`` (save / resume) with ``ranks`` gloo ranks; its merged JSON.
 
     On a machine without CUDA the job redirects megatron-core's few CUDA calls to the CPU
     (tests/job_path/cpu_stand_in_for_cuda.py); on a GPU machine that switch does nothing.
     """
-    environment = clean_env(PYTHONPATH=mcore_folder(version), CPU_STAND_IN_FOR_CUDA="1", **(env or {}))
-    command = [TRAINING_JOB, "--launch", str(ranks), phase, "--root", root, "--json", *args]
+    environment = clean_env(PYTHONPATH=path or mcore_folder(version), CPU_STAND_IN_FOR_CUDA="1", **(env or {}))
+    # A rank that fails leaves the others waiting in a collective: a minute, not gloo's 30.
+    command = [TRAINING_JOB, "--launch", str(ranks), phase, "--root", root, "--json", "--pg-timeout", "120", *args]
     proc = run_python(python, command, environment, timeout=timeout)
     result = last_json(proc)
     result["stderr"] = proc.stderr

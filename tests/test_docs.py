@@ -205,6 +205,9 @@ def test_console_blocks_run_as_written(page, wheel_path, python_without_wheel, t
             if command == "make wheel" or command.startswith("pip install "):
                 checkout = checkout or checkout_for_make(tmp_path / "checkout")
                 cwd = checkout
+                # `python -m pip`: the clone's bin/pip is a hard link whose first line names the
+                # cached venv's python, so it would install there.
+                command = "python -m " + command if command.startswith("pip ") else command
             else:
                 assert command.startswith("mcore-autopatch "), "%s: no rule to check `%s`" % (page, command)
             if CHECKPOINT_PLACEHOLDER in command:

@@ -34,19 +34,25 @@ RESUME_CHECKS = (
     "job path: resume on another data-parallel split (reshards flattened tensors)",
     "job path, `MCORE_AUTOPATCH=0`: fails as today, or works natively",
     "`selftest`: plain + distributed-optimizer state, `mcore_data` kept",
+    "job path on a fresh stack: saves, resumes equal (Namespace args, rng_state)",
+    "job path on a fresh stack, without the package: fails as upstream fails",
 )
 MATRIX_CHECKS = SAVE_CHECKS + RESUME_CHECKS
+ENVIRONMENTS = os.path.join(ROOT, ".cache", "compat-environments.json")
 
-Results = Dict[str, Dict[str, Dict[str, str]]]  # release -> torch -> what -> passed/failed/skipped
+Results = Dict[str, Dict[str, Dict[str, str]]]  # release -> venv key -> what -> passed/failed/skipped
+# venv key ("2.9.0", "2.9.0-numpy2", "py312") -> {"torch", "python", "numpy", "setuptools"}
+Environments = Dict[str, Dict[str, str]]
 
 
 def release(version: str) -> Tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
-def supplied(version: str, torch: str) -> str:
-    """What the fixes do for megatron-core ``version`` on ``torch``; "native" for nothing."""
-    m, t = release(version), release(torch)
+def supplied(version: str, env: Dict[str, str]) -> str:
+    """What the fixes do for megatron-core ``version`` in the venv ``env``; "native" for nothing."""
+    m, t = release(version), release(env.get("torch", "0"))
+    numpy, setuptools = release(env.get("numpy", "1")), release(env.get("setuptools", "0"))
     parts = []
     if t >= (2, 7) and m < (0, 12):
         parts.append("`transforms`")
@@ -54,6 +60,14 @@ def supplied(version: str, torch: str) -> str:
         parts.append("`serialization_format`")
     if (2, 9) <= t < (2, 12) and (0, 8) <= m < (0, 15):
         parts.append("keeps `mcore_data`")
+    if numpy >= (2,) and m < (0, 16):
+        parts.append("`numpy.product`")
+    if t >= (2, 6) and m < (0, 11):
+        parts.append("`weights_only`")
+    if (0, 7) <= m < (0, 9) and (setuptools >= (81,) or (70,) <= setuptools < (71,)):
+        parts.append("`pkg_resources`")
+    if t >= (2, 4) and m < (0, 9):
+        parts.append("ShardedObjects once")
     return " + ".join(parts) or "native"
 
 
@@ -63,24 +77,36 @@ def mark(outcomes: List[str]) -> str:
     return "✅" if outcomes and all(o == "passed" for o in outcomes) else "-"
 
 
-def matrix(results: Results) -> str:
-    torches = sorted({t for by_torch in results.values() for t in by_torch}, key=release)
-    lines = [
-        "| megatron-core | %s |" % " | ".join("torch %s" % t for t in torches),
-        "|---|" + "---|" * len(torches),
-    ]
+def column_of(key: str, envs: Environments) -> str:
+    """The table column of a venv key: its torch release, and the CPython when not 3.11."""
+    env = envs.get(key, {})
+    torch = env.get("torch") or key.split("-")[0]
+    python = env.get("python", "3.11")
+    return "torch %s" % torch if python.startswith("3.11") else "torch %s, CPython %s" % (torch, python[:4])
+
+
+def matrix(results: Results, envs: Environments) -> str:
+    keys = sorted({k for by_key in results.values() for k in by_key}, key=lambda k: release(column_of(k, envs)))
+    columns = list(dict.fromkeys(column_of(k, envs) for k in keys))
+    lines = ["| megatron-core | %s |" % " | ".join(columns), "|---|" + "---|" * len(columns)]
     rows = [v for v in results if v[:1].isdigit() and any(set(c) & set(MATRIX_CHECKS) for c in results[v].values())]
     for version in sorted(rows, key=release):
         cells = []
-        for torch in torches:
-            checks = results[version].get(torch, {})
-            # A job that resumes saved first: the job path's checks count for both marks.
-            save = [o for w, o in checks.items() if w in MATRIX_CHECKS]
-            resume = [o for w, o in checks.items() if w in RESUME_CHECKS]
-            if not save and not resume:
-                cells.append("")
-                continue
-            cells.append("%s save %s resume · %s" % (mark(save), mark(resume), supplied(version, torch)))
+        for column in columns:
+            parts = []
+            for key in [k for k in keys if column_of(k, envs) == column]:
+                checks = results[version].get(key, {})
+                # A job that resumes saved first: the job path's checks count for both marks.
+                save = [o for w, o in checks.items() if w in MATRIX_CHECKS]
+                resume = [o for w, o in checks.items() if w in RESUME_CHECKS]
+                if not save and not resume:
+                    continue
+                env = envs.get(key, {"torch": key.split("-")[0]})
+                parts.append(
+                    "numpy %s: %s save %s resume · %s"
+                    % (env.get("numpy", "?"), mark(save), mark(resume), supplied(version, env))
+                )
+            cells.append("<br>".join(parts))
         lines.append("| %s | %s |" % (version, " | ".join(cells)))
     return "\n".join(lines)
 
@@ -106,10 +132,10 @@ def details(results: Results) -> str:
     return "\n".join(lines)
 
 
-def render(results: Results) -> str:
+def render(results: Results, envs: Environments) -> str:
     return "\n".join(
         [
-            matrix(results),
+            matrix(results, envs),
             "",
             "**save** ✅: with the wheel the plain round trip is equal, its `.distcp` bytes equal native",
             "megatron-core 0.13.1's on the same torch and `status` of the saving process is right, and",
@@ -134,7 +160,12 @@ def main(argv: "list[str]") -> int:
     except OSError:
         print("no %s: run `make test` first" % os.path.relpath(RESULTS, ROOT), file=sys.stderr)
         return 1
-    table = render(results)
+    try:
+        with open(ENVIRONMENTS) as f:
+            environments = json.load(f)
+    except OSError:
+        environments = {}
+    table = render(results, environments)
     if "--update" not in argv:
         print(table)
         return 0

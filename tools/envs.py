@@ -18,6 +18,11 @@ repeated `make test` starts in seconds. What is built:
   folders, chosen per run with PYTHONPATH (beside numpy, psutil and packaging, which is all
   their checkpointing code needs);
 * seed: torch 2.9.0 with megatron-core 0.12.1 installed into the venv, and Ray;
+* fresh: what a fresh image has around megatron-core, on torch 2.9.0, 2.13.0 and 2.15.0: the
+  newest numpy 2 (megatron-core 0.6 - 0.12 declare no numpy bound) or numpy 1.26.4, each with
+  the newest setuptools (82 removed pkg_resources); hard-link clones of the torch venvs;
+* py312: CPython 3.12 (vLLM images' interpreter) with torch 2.9.0 and numpy 2;
+* setuptools: setuptools 70.3.0 in a --target folder (its pkg_resources has no packaging);
 * tools (pytest, ruff, build, uv) and small venvs for the other CPythons.
 """
 
@@ -41,7 +46,8 @@ PYTHONS = os.path.join(CACHE, "pythons")
 DEMO = os.path.join(ROOT, ".venv")
 DIST = os.path.join(ROOT, "dist")
 
-TORCH = "torch==2.13.0"
+CPU_TORCH_RELEASE = "2.13.0"
+TORCH = "torch==%s" % CPU_TORCH_RELEASE
 # numpy 1.x: megatron-core declares numpy<2, and its job path (access-integrity validation,
 # flattened ranges, the fully parallel exchange) calls np.product, which numpy 2 removed.
 MEGATRON_DEPS = ["numpy<2", "psutil", "packaging"]
@@ -113,8 +119,9 @@ def log(message: str) -> None:
     print("[envs] %s" % message, file=sys.stderr, flush=True)
 
 
-def folder_size(folder: str) -> int:
-    """Bytes under ``folder``, each hard-linked file counted once (as ``du`` does)."""
+def folder_size(folder: str, own_only: bool = False) -> int:
+    """Bytes under ``folder``, each hard-linked file counted once (as ``du`` does); with
+    ``own_only``, only files no other folder shares (a hard-link clone's new files)."""
     seen: "set[tuple[int, int]]" = set()
     total = 0
     for root, _dirs, files in os.walk(folder):
@@ -123,7 +130,7 @@ def folder_size(folder: str) -> int:
                 st = os.lstat(os.path.join(root, name))
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) not in seen:
+            if (st.st_dev, st.st_ino) not in seen and not (own_only and st.st_nlink > 1):
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
     return total
@@ -131,10 +138,9 @@ def folder_size(folder: str) -> int:
 
 def built(folder: str, started: float) -> None:
     """Say what a first build of ``folder`` cost, so a fresh `make test` visibly moves."""
-    log(
-        "%s built in %.0f s (%.2f GB)"
-        % (os.path.relpath(folder, ROOT), time.time() - started, folder_size(folder) / 1e9)
-    )
+    where, took = os.path.relpath(folder, ROOT), time.time() - started
+    size, own = folder_size(folder) / 1e9, folder_size(folder, own_only=True) / 1e9
+    log("%s built in %.0f s (%.2f GB, %.2f GB of it its own)" % (where, took, size, own))
 
 
 def run(*cmd: str, **kwargs: object) -> None:
@@ -194,6 +200,25 @@ def site_packages(python: str) -> str:
         text=True,
     )
     return out.stdout.strip()
+
+
+def described(folder: str) -> "dict[str, str]":
+    """The CPython, torch, numpy and setuptools of the venv at ``folder``, read from its
+    pyvenv.cfg and its site-packages' *.dist-info folders (no process is started)."""
+    out: "dict[str, str]" = {}
+    try:
+        with open(os.path.join(folder, "pyvenv.cfg")) as f:
+            for line in f:
+                key, _, value = line.partition("=")
+                if key.strip() in ("version", "version_info"):
+                    out["python"] = value.strip()
+    except OSError:
+        pass
+    for info in glob.glob(os.path.join(folder, "lib", "python3*", "site-packages", "*.dist-info")):
+        name, _, version = os.path.basename(info)[: -len(".dist-info")].partition("-")
+        if name.lower() in ("torch", "numpy", "setuptools"):
+            out[name.lower()] = version.split("+")[0]
+    return out
 
 
 def venv_python(folder: str) -> str:
@@ -416,15 +441,140 @@ def mcore_folder(version: str) -> str:
     return os.path.join(MCORE, version)
 
 
-# What a release's folder carries beside megatron-core: 0.7 and 0.8 import pkg_resources
-# (tensor_parallel/random.py), which setuptools 81 removed; their users' images have an
-# older setuptools, and the folder brings one so that the venvs need not.
-MEGATRON_EXTRAS = {"0.7.0": ["setuptools<81"], "0.8.0": ["setuptools<81"]}
-
-
 def mcore(versions: "list[str]" = MEGATRON_VERSIONS) -> None:
+    # megatron-core alone: 0.7 and 0.8 import pkg_resources, and nothing here brings one along
+    # (the fresh venvs have setuptools >= 82, as a fresh image does).
     for version in versions:
-        target_install(mcore_folder(version), "megatron-core==%s" % version, *MEGATRON_EXTRAS.get(version, []))
+        target_install(mcore_folder(version), "megatron-core==%s" % version)
+
+
+# --- what a fresh image has around megatron-core ---------------------------------------------
+
+FRESH = os.path.join(CACHE, "fresh")
+# numpy lines: the newest numpy 2 (what `pip install megatron-core==0.12.1` next to torch gets)
+# and the numpy 1 that images pinning numpy<2 have. Each fresh venv also gets the newest
+# setuptools, which has no pkg_resources.
+NUMPY_LINES = {"numpy2": "numpy>=2", "numpy1": "numpy==1.26.4"}
+FRESH_SETUPTOOLS = "setuptools>=82"
+# torch 2.9.0: the first release that drops mcore_data; 2.15.0: the registry's newest; 2.13.0:
+# the CPU wheel (megatron-core 0.14 and 0.15 save on CPU there only).
+FRESH_TORCH = ["2.9.0", "2.13.0", "2.15.0"]
+
+
+def fresh_folder(release: str, numpy_line: str) -> str:
+    return os.path.join(FRESH, "%s-%s" % (release, numpy_line))
+
+
+def _fresh_spec(release: str, numpy_line: str) -> str:
+    return "torch %s clone|%s %s" % (release, NUMPY_LINES[numpy_line], FRESH_SETUPTOOLS)
+
+
+def fresh_ready(release: str, numpy_line: str) -> bool:
+    return _ready(fresh_folder(release, numpy_line), _fresh_spec(release, numpy_line))
+
+
+def fresh_venv(release: str, numpy_line: str) -> str:
+    """A hard-link clone of the venv of torch ``release``, then pip: that numpy line and the
+    newest setuptools."""
+    folder = fresh_folder(release, numpy_line)
+    if fresh_ready(release, numpy_line):
+        return venv_python(folder)
+    source = E2E if release == CPU_TORCH_RELEASE else torch_venv_folder(release)
+    if release == CPU_TORCH_RELEASE:
+        e2e()
+    else:
+        torch_venv(release)
+    started = time.time()
+    log(
+        "creating %s (torch %s, %s, %s)"
+        % (os.path.relpath(folder, ROOT), release, NUMPY_LINES[numpy_line], FRESH_SETUPTOOLS)
+    )
+    py = clone_venv(source, folder)
+    pip_install(py, "--upgrade", NUMPY_LINES[numpy_line], FRESH_SETUPTOOLS)
+    _stamp(folder, _fresh_spec(release, numpy_line))
+    built(folder, started)
+    return py
+
+
+def fresh(releases: "list[str] | None" = None) -> None:
+    for release in releases or FRESH_TORCH:
+        for numpy_line in NUMPY_LINES:
+            fresh_venv(release, numpy_line)
+
+
+# setuptools 70.0 - 70.3: a pkg_resources without the ``packaging`` megatron-core 0.7/0.8 import.
+OLD_SETUPTOOLS = "70.3.0"
+
+
+def setuptools_folder(version: str = OLD_SETUPTOOLS) -> str:
+    return os.path.join(CACHE, "setuptools", version)
+
+
+def old_setuptools() -> None:
+    target_install(setuptools_folder(), "setuptools==%s" % OLD_SETUPTOOLS)
+
+
+# CPython 3.12, the interpreter of vLLM images: megatron-core <= 0.13 has no wheel for it, so
+# its release folders (pure Python) run there from PYTHONPATH, as users run them.
+PY312 = os.path.join(CACHE, "py312")
+PY312_TORCH = "2.9.0"
+
+
+def _py312_spec() -> str:
+    return "3.12|torch==%s %s psutil packaging %s" % (PY312_TORCH, NUMPY_LINES["numpy2"], FRESH_SETUPTOOLS)
+
+
+def py312_ready() -> bool:
+    return _ready(PY312, _py312_spec()) and os.path.exists(os.path.join(PY312, PRUNED))
+
+
+def py312() -> "str | None":
+    """torch 2.9.0 (a CUDA build, with its nvidia-* dependencies) for CPython 3.12. The nvidia
+    libraries are the same files as the 3.11 venv of torch 2.9.0 has: they are pruned the same
+    way and then hard-linked to that venv's copies, so they are stored once."""
+    python = find_python("3.12")
+    if python is None:
+        log("CPython 3.12 not found; the 3.12 row is skipped")
+        return None
+    if py312_ready():
+        return venv_python(PY312)
+    torch_venv(PY312_TORCH)  # the copies to link to
+    started = time.time()
+    log("creating %s (CPython 3.12, torch %s, numpy 2)" % (os.path.relpath(PY312, ROOT), PY312_TORCH))
+    shutil.rmtree(PY312, ignore_errors=True)
+    run(python, "-m", "venv", PY312)
+    packages = ["torch==%s" % PY312_TORCH, NUMPY_LINES["numpy2"], "psutil", "packaging", FRESH_SETUPTOOLS]
+    pip_install(venv_python(PY312), *packages)
+    _stamp(PY312, _py312_spec())
+    prune_unmapped_nvidia_libraries(PY312)
+    linked = link_identical_files(
+        site_packages(venv_python(PY312)), site_packages(venv_python(torch_venv_folder(PY312_TORCH)))
+    )
+    count, megabytes = linked
+    where = os.path.relpath(PY312, ROOT)
+    log("%s: %d files hard-linked to torch %s's venv (%.0f MB stored once)" % (where, count, PY312_TORCH, megabytes))
+    built(PY312, started)
+    return venv_python(PY312)
+
+
+def link_identical_files(folder: str, reference: str) -> "tuple[int, float]":
+    """Replace each file under ``folder``/nvidia that is byte-identical to the file at the same
+    path under ``reference``/nvidia with a hard link to it. Returns (files, MB)."""
+    import filecmp
+
+    count, saved = 0, 0
+    base = os.path.join(folder, "nvidia")
+    for root, _dirs, files in os.walk(base):
+        for name in files:
+            path = os.path.join(root, name)
+            twin = os.path.join(reference, "nvidia", os.path.relpath(path, base))
+            if not os.path.isfile(twin) or os.path.samefile(path, twin) or not filecmp.cmp(path, twin, shallow=False):
+                continue
+            size = os.stat(path).st_size
+            os.remove(path)
+            os.link(twin, path)
+            count, saved = count + 1, saved + size
+    return count, saved / 2**20
 
 
 def find_python(minor: str) -> "str | None":
@@ -576,7 +726,7 @@ def gpu_check_prepare() -> None:
 
 
 # What `make test` needs, in order (torch before seed: the seed stack clones torch 2.9.0).
-DEFAULT_TARGETS = ["tools", "e2e", "mcore", "pythons", "nvrx", "torch", "seed"]
+DEFAULT_TARGETS = ["tools", "e2e", "mcore", "setuptools", "pythons", "nvrx", "torch", "seed", "fresh", "py312"]
 TARGETS = {
     "tools": tools,
     "e2e": e2e,
@@ -584,6 +734,9 @@ TARGETS = {
     "pythons": pythons,
     "torch": torch_matrix,
     "seed": seed_stack,
+    "fresh": fresh,
+    "setuptools": old_setuptools,
+    "py312": py312,
     "nvrx": nvrx,
     "wheel": lambda: print(wheel()),
     "demo": demo_megatron,

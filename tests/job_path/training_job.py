@@ -9,7 +9,9 @@ It never imports mcore_autopatch: whether it works depends only on what is insta
 
 save: each rank builds a model-style state (a tensor sharded across the ranks like a
 tensor-parallel weight, layer-stacked and 1-D weights replicated across data-parallel ranks,
-a ShardedObject, common state) and a distributed-optimizer-style state (the
+the ``rng_state`` ShardedObject with Python's, numpy's and torch's generator states, common
+state with ``args`` as the ``argparse.Namespace`` Megatron-LM keeps there) and a
+distributed-optimizer-style state (the
 ``fully_sharded_model_space`` layout: ``optimizer.state.<state>.<param key>`` tensors made
 from each model ShardedTensor with ``dataclasses.replace`` and a ``flattened_range``, the
 data-parallel ranks holding uneven pieces). Then, as the training loop does: the default
@@ -27,15 +29,24 @@ reports whether megatron-core reused it.
 
 Values depend on the iteration, never on the layout, so a job with any data-parallel split
 can check what it loaded. One JSON line per job (``--json``).
+
+Each release runs the path its own Megatron-LM ran: 0.6 saves synchronously with the default
+strategy and loads plainly (no async saves, no fully parallel wrappers); 0.7 adds the fully
+parallel wrappers and async saves; 0.8 the cached structure; 0.9 strict load handling.
+``--pg-timeout`` bounds how long ranks wait for a rank that failed (gloo's default is 30 min).
 """
 
 import argparse
 import dataclasses
+import datetime
 import hashlib
+import inspect
 import io
 import json
 import os
 import pickle
+import platform
+import random
 import sys
 import time
 import traceback
@@ -65,16 +76,30 @@ def parse_args(argv=None):
     p.add_argument("--split", choices=["even", "shifted"], default="even", help="data-parallel split of the optimizer")
     p.add_argument("--state", choices=["full", "optimizer-only"], default="full")
     p.add_argument(
+        "--optimizer-layout",
+        choices=["model", "bucket"],
+        default="model",
+        help="the distributed optimizer's sharding_type: fully_sharded_model_space (N-D flattened, 0.8+) or "
+        "fully_sharded_bucket_space (1-D flattened buckets: what Megatron-LM saved with torch_dist on 0.6/0.7)",
+    )
+    p.add_argument(
         "--whole-1d",
         action="store_true",
         help="a 1-D weight's optimizer state lies wholly in rank 0's piece (megatron-core 0.8 cannot save "
         "a 1-D flattened tensor split among ranks: torch rejects the shard volume)",
+    )
+    p.add_argument(
+        "--plain-load",
+        action="store_true",
+        help="resume without FullyParallelLoadStrategyWrapper (Megatron-LM's default before --ckpt-fully-parallel-load;"
+        " 0.7/0.8's exchange all-gathers uneven pieces, which gloo refuses and NCCL serves)",
     )
     p.add_argument("--then-save", action="store_true", help="resume: save once more, reusing the loaded metadata")
     p.add_argument("--device", default="cpu", help="where the state lives (cuda on a GPU machine)")
     p.add_argument("--launch", type=int, metavar="N", help="start N ranks of this job (torchrun-style env)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rank-timeout", type=float, default=900)
+    p.add_argument("--pg-timeout", type=float, help="seconds a collective waits for the other ranks")
     return p.parse_args(argv)
 
 
@@ -188,19 +213,115 @@ def optimizer_sharded_tensors(iteration, rank, world, device, split, model, zero
     return out
 
 
+def rng_state(iteration):
+    """Megatron-LM's get_rng_state(): the generators' states, seeded by the iteration so that
+    every rank and every later job can rebuild exactly what was saved."""
+    import numpy as np
+    import torch
+
+    random.seed(iteration)
+    np.random.seed(iteration)
+    torch.manual_seed(iteration)
+    return [
+        {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()},
+        }
+    ]
+
+
+def training_args(iteration):
+    """A few of Megatron-LM's arguments: it keeps the whole argparse.Namespace in common.pt."""
+    return argparse.Namespace(
+        ckpt_format="torch_dist",
+        use_distributed_optimizer=True,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        iteration=iteration,
+        lr=1e-4,
+        save_interval=1,
+    )
+
+
+def bucket_space_sharded_tensors(iteration, rank, world, device, zeros=False):
+    """The distributed optimizer's fully_sharded_bucket_space state, as megatron-core 0.6/0.7's
+    sharded_param_state_fs_bucket_space lays it out: per optimizer state, the flattened values
+    of the weights of one data-parallel group concatenated into a bucket padded to a multiple
+    of the group's size; each rank holds its contiguous share as 1-D ShardedTensors of its
+    weights' pieces (``flattened_range`` within the share). The replicated weights form the
+    bucket of the group of all ranks; the sharded weight's piece forms a bucket of a group of
+    one rank, as an expert-parallel weight's does."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    params = model_params(rank, world)
+    groups = [  # (group index, this rank's place in it, its size, its weights)
+        (0, rank, world, [(k, s) for k, s, _d, kind in params if kind != "sharded"]),
+        (1 + rank, 0, 1, [(k, s) for k, s, _d, kind in params if kind == "sharded"]),
+    ]
+    out = {}
+    for state in STATES:
+        for group_idx, group_rank, group_size, members in groups:
+            values = []
+            for key, shape in members:
+                full = global_value("optimizer.state.%s.%s" % (state, key), shape, iteration, torch.float32)
+                if group_size == 1:  # the sharded weight: this rank's rows only
+                    rows = shape[0] // world
+                    full = full[rank * rows : (rank + 1) * rows]
+                values.append(full.flatten())
+            bounds = [0]
+            for value in values:
+                bounds.append(bounds[-1] + value.numel())
+            local = -(-bounds[-1] // group_size)  # the share of each rank, padding included
+            buffer = torch.cat([*values, torch.zeros(local * group_size - bounds[-1])])
+            if local * group_size > bounds[-1]:
+                bounds.append(local * group_size)  # the padding is a piece of its own
+            start, end = group_rank * local, (group_rank + 1) * local
+            key = "optimizer.distributed.dp_group_idx_%d.gbuf_idx_0.dtype_torch.float32.bucket_idx_0.%s" % (
+                group_idx,
+                state,
+            )
+            pieces = []
+            for lo, hi in zip(bounds, bounds[1:]):
+                a, b = max(lo, start), min(hi, end)
+                if a >= b:
+                    continue
+                data = buffer[a:b].clone()
+                pieces.append(
+                    ShardedTensor(
+                        key=key,
+                        data=(torch.zeros_like(data) if zeros else data).to(device),
+                        dtype=torch.float32,
+                        local_shape=(local,),
+                        global_shape=(local * group_size,),
+                        global_offset=(group_rank * local,),
+                        axis_fragmentations=(group_size,),
+                        flattened_range=slice(a - start, b - start),
+                        allow_shape_mismatch=True,
+                    )
+                )
+            out["%s.group_%d" % (state, group_idx)] = pieces
+    return out
+
+
 def full_state(args, iteration, rank, world, zeros=False):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     kind, device = args.state, args.device
     model = model_sharded_tensors(iteration, rank, world, device, zeros)
-    optimizer = optimizer_sharded_tensors(iteration, rank, world, device, args.split, model, zeros, args.whole_1d)
+    if args.optimizer_layout == "bucket":
+        optimizer = bucket_space_sharded_tensors(iteration, rank, world, device, zeros)
+    else:
+        optimizer = optimizer_sharded_tensors(iteration, rank, world, device, args.split, model, zeros, args.whole_1d)
     state = {"optimizer": {"state": optimizer}}
     if kind == "full":
         state["model"] = model
-        rng = None if zeros else {"random_rng_state": [iteration, 7, 11], "cuda_rng_state": "n/a"}
+        rng = None if zeros else rng_state(iteration)
         state["rng_state"] = ShardedObject("rng_state", rng, (1,), (0,), replica_id=rank)
     state["iteration"] = None if zeros else iteration
-    state["args"] = None if zeros else {"ckpt_format": "torch_dist", "use_distributed_optimizer": True}
+    state["args"] = None if zeros else training_args(iteration)
     state["optimizer"]["param_groups"] = None if zeros else [{"lr": 1e-4 * iteration, "step": iteration}]
     state["num_floating_point_operations_so_far"] = None if zeros else iteration * 1e12
     return state
@@ -226,8 +347,18 @@ def expected_values(args, iteration, rank, world):
 
 
 def compare(expected, loaded, path=""):
+    import numpy as np
     import torch
 
+    if isinstance(expected, np.ndarray):
+        ok = isinstance(loaded, np.ndarray) and loaded.dtype == expected.dtype
+        return [] if ok and np.array_equal(loaded, expected) else [path]
+    if isinstance(expected, tuple):
+        if not isinstance(loaded, tuple) or len(loaded) != len(expected):
+            return [path]
+        return [p for i, e in enumerate(expected) for p in compare(e, loaded[i], "%s(%d)" % (path, i))]
+    if isinstance(expected, argparse.Namespace):
+        return compare(vars(expected), vars(loaded) if isinstance(loaded, argparse.Namespace) else None, path)
     if isinstance(expected, dict):
         out = []
         for k in expected:
@@ -250,22 +381,56 @@ def iteration_dir(root, iteration):
     return os.path.join(root, "iter_%07d" % iteration)
 
 
-def make_save_strategy(context):
+class Release:
+    """What the installed megatron-core has of Megatron-LM's checkpoint path."""
+
+    def __init__(self):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import serialization
+
+        self.async_save = "async_sharded_save" in inspect.signature(dist_checkpointing.save).parameters  # 0.7
+        self.default_strategies = hasattr(serialization, "get_default_save_sharded_strategy")  # 0.7
+        try:
+            from megatron.core.dist_checkpointing.strategies import fully_parallel  # noqa: F401  (0.7)
+
+            self.fully_parallel = True
+        except ImportError:
+            self.fully_parallel = False
+        try:
+            from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: F401  (0.9)
+
+            self.strict = True
+        except ImportError:
+            self.strict = False
+
+    def as_dict(self):
+        return dict(vars(self))
+
+
+def make_save_strategy(context, release):
     """As checkpointing.py's save_checkpoint builds it (ckpt_format torch_dist, fully parallel
-    save, --ckpt-assume-constant-structure), kept in ``context`` for the next saves."""
+    save, --ckpt-assume-constant-structure, as far as the release has them), kept in
+    ``context`` for the next saves."""
     import torch.distributed as dist
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     if "save_strategy" in context:
         return context["save_strategy"], False
+    if not release.default_strategies:  # megatron-core 0.6: the format and its version
+        context["save_strategy"] = ("torch_dist", 1)
+        return context["save_strategy"], True
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
     strategy = get_default_save_sharded_strategy("torch_dist")
-    strategy.use_cached_ckpt_structure = True
+    if hasattr(strategy, "use_cached_ckpt_structure"):  # 0.8
+        strategy.use_cached_ckpt_structure = True
     loaded = getattr(context.get("load_strategy"), "cached_global_metadata", None)
     context["plugged_loaded_metadata"] = loaded is not None
     if loaded is not None:
         strategy.cached_global_metadata = loaded
-    strategy = FullyParallelSaveStrategyWrapper(strategy, dist.group.WORLD, True)
+    if release.fully_parallel:
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        strategy = FullyParallelSaveStrategyWrapper(strategy, dist.group.WORLD, True)
     context["save_strategy"] = strategy
     return strategy, True
 
@@ -285,7 +450,7 @@ def finalize(queue, blocking):
         return queue.maybe_finalize_async_calls(blocking=blocking)
 
 
-def save_one(state, iteration, root, context, queue, rank):
+def save_one(state, iteration, root, context, queue, rank, release):
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(root, iteration)
@@ -294,14 +459,19 @@ def save_one(state, iteration, root, context, queue, rank):
     import torch.distributed as dist
 
     dist.barrier()
-    strategy, first = make_save_strategy(context)
-    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
+    strategy, first = make_save_strategy(context, release)
 
     def iter_finalize_fn():
         if rank == 0:
             with open(os.path.join(root, TRACKER), "w") as f:
                 f.write(str(iteration))
 
+    if not release.async_save:  # megatron-core 0.6: the save returns when it is written
+        dist_checkpointing.save(state, folder, strategy, validate_access_integrity=first)
+        dist.barrier()
+        iter_finalize_fn()
+        return folder
+    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
     request.add_finalize_fn(iter_finalize_fn)
     queue.schedule_async_request(request)
     steps = 0
@@ -357,28 +527,34 @@ def describe_metadata(folder):
     }
 
 
-def init():
+def init(args):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    timeout = {"timeout": datetime.timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}
+    dist.init_process_group("gloo", **timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
 def save_job(args, result):
-    rank, world = init()
+    rank, world = init(args)
+    release = Release()
+    result["release"] = release.as_dict()
     context = {}
-    queue = async_queue(args.persistent)
+    queue = async_queue(args.persistent) if release.async_save else None
     try:
         for iteration in range(1, args.iterations + 1):
             state = full_state(args, iteration, rank, world)
-            save_one(state, iteration, args.root, context, queue, rank)
+            save_one(state, iteration, args.root, context, queue, rank, release)
             result.setdefault("saved", []).append(iteration)
     finally:
-        finalize(queue, blocking=True)
-        if hasattr(queue, "close"):
-            queue.close()
-    result["cached_structure_reused"] = bool(
-        getattr(base_strategy(context["save_strategy"]), "validated_cache_reuse", False)
+        if queue is not None:
+            finalize(queue, blocking=True)
+            if hasattr(queue, "close"):
+                queue.close()
+    base = base_strategy(context["save_strategy"])
+    # None where the release has no cached structure (0.6, 0.7)
+    result["cached_structure_reused"] = (
+        bool(getattr(base, "validated_cache_reuse", False)) if hasattr(base, "use_cached_ckpt_structure") else None
     )
     if rank == 0:
         result["metadata"] = describe_metadata(iteration_dir(args.root, args.iterations))
@@ -387,55 +563,93 @@ def save_job(args, result):
 def resume_job(args, result):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    rank, world = init()
+    rank, world = init(args)
+    release = Release()
+    result["release"] = release.as_dict()
     with open(os.path.join(args.root, TRACKER)) as f:
         iteration = int(f.read().strip())
     folder = iteration_dir(args.root, iteration)
     common = dist_checkpointing.load_common_state_dict(folder)  # what the rank-0 path reads first
     result["iteration"] = iteration
     result["common_iteration"] = common.get("iteration")
+    result["common_args"] = compare({"args": training_args(iteration)}, {"args": common.get("args")}) == []
     template = full_state(args, iteration, rank, world, zeros=True)
-    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), dist.group.WORLD)
+    strategy = None
+    if release.fully_parallel and not args.plain_load:
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), dist.group.WORLD)
     kwargs = {}
-    try:
+    if release.strict:
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
-    except ImportError:
-        pass
     loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
     mismatched = compare(expected_values(args, iteration, rank, world), loaded)
     result["mismatched"] = mismatched
-    result["loaded_equal"] = not mismatched
+    result["loaded_equal"] = not mismatched and result["common_args"]
     if args.then_save:
         context = {"load_strategy": strategy}
-        queue = async_queue(False)
+        queue = async_queue(False) if release.async_save else None
         try:
             state = full_state(args, iteration + 1, rank, world)
-            save_one(state, iteration + 1, args.root, context, queue, rank)
+            save_one(state, iteration + 1, args.root, context, queue, rank, release)
         finally:
-            finalize(queue, blocking=True)
-        result["plugged_loaded_metadata"] = context["plugged_loaded_metadata"]
+            if queue is not None:
+                finalize(queue, blocking=True)
+        result["plugged_loaded_metadata"] = context.get("plugged_loaded_metadata", False)
         result["loaded_metadata_reused"] = bool(
             getattr(base_strategy(context["save_strategy"]), "validated_loaded_metadata_reuse", False)
         )
+
+
+def stack_report():
+    """What this process's numpy, torch and pkg_resources look like once the job ran: whatever
+    an installed package did inside megatron-core must not show here."""
+    import numpy
+    import torch
+
+    report = {"numpy_has_product": hasattr(numpy, "product")}
+    buffer = io.BytesIO()
+    torch.save(argparse.Namespace(probe=1), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer)
+        report["torch_load_refuses_namespace"] = False
+    except Exception as exc:
+        report["torch_load_refuses_namespace"] = "Weights only load failed" in str(exc)
+    try:
+        import pkg_resources
+
+        report["pkg_resources"] = "importable"
+        report["pkg_resources_has_packaging"] = hasattr(pkg_resources, "packaging")
+    except ImportError:
+        report["pkg_resources"] = "missing"
+    report["pkg_resources_packaging_module"] = "pkg_resources.packaging" in sys.modules
+    return report
 
 
 def job(args):
     result = {"pid": os.getpid(), "ok": False, "error": None, "phase": args.phase}
     warnings.simplefilter("ignore")
     try:
+        import numpy
         import torch
 
         result["torch"] = torch.__version__
+        result["numpy"] = numpy.__version__
+        result["python"] = platform.python_version()
         (save_job if args.phase == "save" else resume_job)(args, result)
         result["ok"] = result.get("loaded_equal", True)
     except BaseException as exc:  # reported to the test as data
         result["error"] = "%s: %s" % (type(exc).__name__, exc)
         result["traceback"] = traceback.format_exc()
+    try:
+        result["stack"] = stack_report()
+    except Exception as exc:
+        result["stack"] = {"error": "%s: %s" % (type(exc).__name__, exc)}
     stand_in = sys.modules.get("cpu_stand_in_for_cuda")
     result["cuda_stand_in_sites"] = dict(stand_in.SITES) if stand_in else None
     return result

@@ -1,0 +1,251 @@
+"""The stack a fresh image has around megatron-core, for every release: a training job's checkpoint
+path saved and resumed on numpy 2 and numpy 1.26, with setuptools >= 82 (no pkg_resources).
+
+Each cell is one megatron-core release (its registry files on PYTHONPATH) in a fresh venv
+(``envs.fresh_venv``: torch 2.9.0 or 2.15.0, the registry's newest, or 2.13.0 for 0.14/0.15,
+which on a CUDA build of torch without a GPU compile a CUDA extension at import; the newest
+numpy 2 or numpy 1.26.4; the newest setuptools). tests/job_path/training_job.py runs the path
+that release's Megatron-LM ran: 2 gloo ranks, model state with the ``rng_state``
+ShardedObject (numpy's generator state inside) and ``args`` as an ``argparse.Namespace`` in
+the common state, the distributed optimizer's state (``fully_sharded_bucket_space`` on 0.6
+and 0.7, ``fully_sharded_model_space`` from 0.8), 2 saves (fully parallel and async from 0.7),
+then a fresh job that resumes with both data-parallel ranks (fully parallel load from 0.8) and
+compares every value, Namespace args and generator states included. The jobs never import
+mcore_autopatch.
+
+Without the package each cell fails the way upstream fails: numpy 2 at the first save
+(``np.product``; the other rank loses its peer), 0.7/0.8 at ``import megatron.core``
+(``pkg_resources``), 0.6/0.9/0.10 at the resume (``weights_only``), 0.6 - 0.8 at the plan of
+a ShardedObject on torch 2.4+, and the ``_write_item`` of 0.6 - 0.12 on torch 2.8+.
+"""
+
+import json
+import os
+from typing import Any, Dict, List
+
+import pytest
+from conftest import (
+    PY312,
+    clean_env,
+    envs,
+    fresh_key,
+    job_failure,
+    mcore_folder,
+    run_dir_folder,
+    run_python,
+    run_training_job,
+)
+from test_e2e_job_path import copy_of, saved
+from test_e2e_save import release
+
+pytestmark = pytest.mark.e2e
+
+# What each release's Megatron-LM ran (see training_job.py): the optimizer layout, and where
+# 0.8 - 0.10 keep a 1-D weight's state in one rank's piece (they refuse one split among ranks
+# on every torch, torch 2.3.1 of their time included: docs/compatibility.md).
+# Two saves each (the second reuses the cached structure where the release has it); reusing
+# the loaded metadata on the save after a resume is shown by tests/test_e2e_job_path.py.
+FRESH = ["--iterations", "2"]
+ROW_ARGS: Dict[str, List[str]] = {
+    version: [*FRESH, *args]
+    for version, args in {
+        "0.6.0": ["--optimizer-layout", "bucket"],
+        "0.7.0": ["--optimizer-layout", "bucket", "--plain-load"],
+        "0.8.0": ["--whole-1d"],
+        "0.9.0": ["--whole-1d"],
+        "0.10.0": ["--whole-1d"],
+        "0.11.0": [],
+        "0.12.0": [],
+        "0.12.1": [],
+        "0.12.2": [],
+        "0.12.3": [],
+        "0.13.0": [],
+        "0.13.1": [],
+        "0.14.0": [],
+        "0.15.3": [],
+    }.items()
+}
+CPU_ONLY = {"0.14.0", "0.15.3"}  # on torch 2.13.0 (the CPU wheel)
+FRESH_JOB = "job path on a fresh stack: saves, resumes equal (Namespace args, rng_state)"
+FRESH_OFF = "job path on a fresh stack, without the package: fails as upstream fails"
+
+
+# The seed report's release: both numpys on both torches (numpy 1.26 on 2.9.0 is its job cell
+# of tests/test_e2e_job_path.py, in torch 2.9.0's own venv).
+EVERY_PAIR = {"0.12.1"}
+
+
+def cells_of(version: str) -> List[str]:
+    """Each row runs on numpy 2 and numpy 1.26 and on torch 2.9.0 and the newest: numpy 2 on
+    2.9.0 (where every fix applies at once) and numpy 1.26 on 2.15.0; numpy's break lies in
+    megatron-core's code, torch's elsewhere, so each pair adds what the other does not."""
+    if version in CPU_ONLY:
+        return [fresh_key("2.13.0", line) for line in envs.NUMPY_LINES]
+    diagonal = [fresh_key("2.9.0", "numpy2"), fresh_key("2.15.0", "numpy1")]
+    return [*diagonal, fresh_key("2.15.0", "numpy2")] if version in EVERY_PAIR else diagonal
+
+
+def torches(version: str) -> List[str]:
+    return ["2.13.0"] if version in CPU_ONLY else ["2.9.0", "2.15.0"]
+
+
+CELLS = [
+    pytest.param(v, cell, marks=pytest.mark.compat(v, FRESH_JOB), id="%s-%s" % (v, cell))
+    for v in ROW_ARGS
+    for cell in cells_of(v)
+]
+
+PRODUCT = "AttributeError: module 'numpy' has no attribute 'product'"
+NO_PKG_RESOURCES = "ModuleNotFoundError: No module named 'pkg_resources'"
+WEIGHTS_ONLY = "Weights only load failed"
+PLANNED_TWICE = "item.index.fqn not in md"
+
+
+def assert_saved_and_resumed(
+    python: Any, cell: str, version: str, *args: str, pkg_resources: str = "missing"
+) -> Dict[str, Any]:
+    """The job's saves (once per run and cell), then a fresh 2-rank resume that saves again."""
+    save = saved(python, cell, version, *args)
+    assert save["ok"], job_failure(save)
+    ranks = save["ranks"]
+    assert all(r["saved"] == [1, 2] for r in ranks)
+    line = "numpy2" if cell == PY312 else cell.rpartition("-")[2]
+    assert all(r["numpy"].startswith("2.") if line == "numpy2" else r["numpy"] == "1.26.4" for r in ranks)
+    assert all(r["cached_structure_reused"] in (True, None) for r in ranks)  # None: 0.6 / 0.7 have none
+    assert all(stack_untouched(r, version, pkg_resources) for r in ranks), [r.get("stack") for r in ranks]
+    resume = run_training_job(python(cell), version, "resume", copy_of(save["root"]), *args)
+    assert resume["ok"], job_failure(resume)
+    assert [r["iteration"] for r in resume["ranks"]] == [2, 2]
+    assert all(r["loaded_equal"] and r["common_args"] for r in resume["ranks"])
+    assert all(stack_untouched(r, version, pkg_resources) for r in resume["ranks"])
+    return save
+
+
+def stack_untouched(rank: Dict[str, Any], version: str, pkg_resources: str) -> bool:
+    """In the very process that saved or resumed: numpy has no ``product`` (numpy 2), torch.load
+    of a Namespace pickle outside megatron-core is refused (torch >= 2.6; megatron-core 0.14+
+    allow Namespace for the whole process themselves, at import), pkg_resources cannot be
+    imported where setuptools has none, and nothing of megatron-core's is left in it."""
+    stack = rank["stack"]
+    return (
+        stack["numpy_has_product"] is not rank["numpy"].startswith("2.")
+        and stack["torch_load_refuses_namespace"] is (release(version) < (0, 14))
+        and stack["pkg_resources"] == pkg_resources
+        and stack["pkg_resources_packaging_module"] is False
+    )
+
+
+@pytest.mark.parametrize("version,torch_release", CELLS)
+def test_job_saves_and_resumes_on_a_fresh_stack_with_the_wheel(torch_python, version, torch_release):
+    assert_saved_and_resumed(torch_python, torch_release, version, *ROW_ARGS[version])
+
+
+# --- without the package ------------------------------------------------------------------------------
+
+
+def first_failure_on_numpy_2(version: str) -> str:
+    return NO_PKG_RESOURCES if version in ("0.7.0", "0.8.0") else PRODUCT
+
+
+OFF_NUMPY2 = [
+    pytest.param(v, fresh_key(torches(v)[0], "numpy2"), marks=pytest.mark.compat(v, FRESH_OFF), id=v) for v in ROW_ARGS
+]
+
+
+@pytest.mark.parametrize("version,torch_release", OFF_NUMPY2)
+def test_without_the_package_numpy_2_fails_the_first_save_as_upstream_does(
+    python_without_wheel, version, torch_release
+):
+    """Rank 0 raises in megatron-core's own validation (or at import, 0.7/0.8); the other rank
+    loses its peer in the next collective instead of waiting 30 minutes (--pg-timeout)."""
+    root = run_dir_folder("off-numpy2-")
+    result = run_training_job(python_without_wheel(torch_release), version, "save", root, *ROW_ARGS[version])
+    assert not result["ok"]
+    assert result["ranks"][0]["error"].startswith(first_failure_on_numpy_2(version)), result["ranks"][0]["error"]
+    assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
+
+
+WEIGHTS_ONLY_ROWS = {"0.6.0": "2.15.0-numpy1", "0.9.0": "2.15.0-numpy1", "0.10.0": "2.15.0-numpy1"}
+
+
+@pytest.mark.parametrize("version", sorted(WEIGHTS_ONLY_ROWS, key=release))
+def test_without_the_package_resuming_fails_on_torchs_weights_only_default(torch_python, python_without_wheel, version):
+    """Saved with the wheel, resumed in the same image without it: megatron-core's bare
+    torch.load of common.pt refuses Megatron-LM's Namespace args."""
+    cell = WEIGHTS_ONLY_ROWS[version]
+    save = saved(torch_python, cell, version, *ROW_ARGS[version])
+    assert save["ok"], job_failure(save)
+    result = run_training_job(python_without_wheel(cell), version, "resume", save["root"], *ROW_ARGS[version])
+    assert not result["ok"]
+    error = result["ranks"][0]["error"]
+    assert WEIGHTS_ONLY in error and "argparse.Namespace" in error, error
+
+
+@pytest.mark.parametrize("version", ["0.7.0", "0.8.0"])
+def test_old_image_with_pkg_resources_resumes_only_with_the_package(torch_python, python_without_wheel, version):
+    """torch 2.9.0's own venv has setuptools 65 (pkg_resources with packaging) and numpy 1.26:
+    0.7/0.8 import there without help, and their resume still needs the weights_only fix."""
+    save = saved(torch_python, "2.9.0-numpy1", version, *ROW_ARGS[version])
+    assert save["ok"], job_failure(save)
+    off = run_training_job(python_without_wheel("2.9.0"), version, "resume", save["root"], *ROW_ARGS[version])
+    assert not off["ok"]
+    assert WEIGHTS_ONLY in off["ranks"][0]["error"], off["ranks"][0]["error"]
+    fixed = run_training_job(torch_python("2.9.0"), version, "resume", copy_of(save["root"]), *ROW_ARGS[version])
+    assert fixed["ok"], job_failure(fixed)
+    assert all(r["stack"]["pkg_resources"] == "importable" for r in fixed["ranks"])
+
+
+@pytest.mark.parametrize("version", ["0.6.0", "0.7.0", "0.8.0"])
+def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_python, version):
+    """torch 2.6.0, where 0.6 - 0.8 call _write_item as it wants and pkg_resources is there:
+    the only break left for a save is the ShardedObject (rng_state) planned twice."""
+    root = run_dir_folder("off-planner-")
+    off = run_training_job(
+        torch_python("2.6.0"), version, "save", root, *ROW_ARGS[version], env={"MCORE_AUTOPATCH": "0"}
+    )
+    assert not off["ok"]
+    assert PLANNED_TWICE in off["ranks"][0]["error"] or PLANNED_TWICE in (off["ranks"][0].get("traceback") or "")
+    assert_saved_and_resumed(torch_python, "2.6.0", version, *ROW_ARGS[version], pkg_resources="importable")
+
+
+# --- more of what a fresh image meets -------------------------------------------------------------------
+
+
+def test_checkpoint_saved_on_numpy_1_resumes_after_the_image_moves_to_numpy_2(torch_python):
+    """An image upgraded from numpy 1.26 to numpy 2 resumes what it saved before."""
+    args = ROW_ARGS["0.12.1"]
+    save = saved(torch_python, "2.15.0-numpy1", "0.12.1", *args)
+    assert save["ok"], job_failure(save)
+    resume = run_training_job(torch_python("2.15.0-numpy2"), "0.12.1", "resume", copy_of(save["root"]), *args)
+    assert resume["ok"], job_failure(resume)
+    assert all(r["loaded_equal"] and r["numpy"].startswith("2.") for r in resume["ranks"])
+
+
+@pytest.mark.parametrize("version", [pytest.param("0.12.1", marks=pytest.mark.compat("0.12.1", FRESH_JOB))])
+def test_python_3_12_runs_the_release_files_and_saves_and_resumes(torch_python, python_without_wheel, version):
+    """vLLM images' CPython 3.12: megatron-core 0.12.1 has no wheel for it and runs from the
+    release's files on PYTHONPATH; torch 2.9.0 and numpy 2, so every fix applies at once."""
+    save = assert_saved_and_resumed(torch_python, PY312, version, *ROW_ARGS[version])
+    assert save["ranks"][0]["python"].startswith("3.12.")
+    root = run_dir_folder("off-py312-")
+    off = run_training_job(python_without_wheel(PY312), version, "save", root, *ROW_ARGS[version])
+    assert not off["ok"] and off["ranks"][0]["error"].startswith(PRODUCT)
+
+
+def test_setuptools_70_3_pkg_resources_without_packaging(torch_python, python_without_wheel):
+    """setuptools 70.0 - 70.3 have a pkg_resources without ``packaging``: 0.8's imports get it
+    for their own import only; the real pkg_resources stays as it is, in the same process."""
+    version, cell = "0.8.0", "2.13.0-numpy1"
+    path = os.pathsep.join([envs.setuptools_folder(), mcore_folder(version)])
+    root = run_dir_folder("setuptools-70-")
+    job = run_training_job(torch_python(cell), version, "save", root, "--whole-1d", "--iterations", "1", path=path)
+    assert job["ok"], job_failure(job)
+    stacks = [r["stack"] for r in job["ranks"]]
+    assert all(s["pkg_resources"] == "importable" and s["pkg_resources_has_packaging"] is False for s in stacks)
+    assert all(s["pkg_resources_packaging_module"] is False for s in stacks)
+    status = run_python(torch_python(cell), ["-m", "mcore_autopatch", "status", "--json"], clean_env(PYTHONPATH=path))
+    row = next(f for f in json.loads(status.stdout)["fixes"] if f["fix"] == "pkg_resources_packaging")
+    assert (row["needed"], row["applied"]) == (True, True), row
+    assert "pkg_resources has no packaging (setuptools 70.0 - 70.3)" in row["reason"]
+    off = run_python(python_without_wheel(cell), ["-c", "import megatron.core"], clean_env(PYTHONPATH=path))
+    assert "ImportError: cannot import name 'packaging' from 'pkg_resources'" in off.stderr
