@@ -47,7 +47,9 @@ def main() -> int:
     try:
         os.makedirs(folder, exist_ok=True)
         writer = FileSystemWriterAsync(folder, thread_count=2)
-        (writer, metadata, dist_wrapper), _, _ = save_state_dict_async_plan(state, writer)
+        # The first item is what finalize takes; what follows it differs between releases
+        # (0.3.0 returns five items though its annotation says three).
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(state, writer)[0]
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
         request = AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn)
