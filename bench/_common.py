@@ -75,10 +75,14 @@ class BenchEnvs:
         return self
 
     def clone_with_wheel(self, release: str) -> Optional[str]:
-        """A clone of torch ``release``'s cached venv with the wheel, or None when it is not built."""
-        if not envs.torch_ready(release):
+        """A clone of a cached venv with the wheel: torch ``release``'s ("2.9.0"), or a fresh
+        one ("2.9.0-numpy2"); None when it is not built."""
+        torch, _, line = release.partition("-")
+        ready = envs.fresh_ready(torch, line) if line else envs.torch_ready(release)
+        if not ready:
             return None
-        python = envs.clone_venv(envs.torch_venv_folder(release), os.path.join(self.tmp, "torch-%s" % release))
+        folder = envs.fresh_folder(torch, line) if line else envs.torch_venv_folder(release)
+        python = envs.clone_venv(folder, os.path.join(self.tmp, "torch-%s" % release))
         subprocess.run(
             [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", self.wheel],
             check=True,

@@ -83,26 +83,40 @@ def run(e: BenchEnvs, quick: bool) -> List[Row]:
     return rows[:1] + rows_2_9 + rows[1:]
 
 
+# Where the most fixes apply: megatron-core 0.12.1 on torch 2.9.0 with numpy 2 (write_item,
+# keep_mcore_data, load_without_mcore_data, numpy_removed_names), and 0.8.0 in torch 2.9.0's own
+# venv (setuptools with pkg_resources, so that 0.8 imports while the finder is off: write_item,
+# keep_mcore_data, load_without_mcore_data, torch_load_weights_only, sharded_objects_planned_once,
+# and the pkg_resources window around its bodies).
+MOST_FIXES = (("2.9.0-numpy2", AFFECTED), ("2.9.0", "0.8.0"))
+
+
 def _all_fixes_applied(e: BenchEnvs, quick: bool) -> List[Row]:
-    """The same on torch 2.9.0, where all three megatron-core fixes are needed and applied."""
-    python = e.clone_with_wheel("2.9.0")
-    if python is None:
-        return [Row("time to fix, torch 2.9.0", "not measured", how="torch 2.9.0 venv not built (make test-env)")]
-    env = mcore_env(AFFECTED, MCORE_AUTOPATCH="0")
-    runs = [run_child([python, INPROCESS, "fix-total"], env).json() for _ in range(3 if quick else 9)]
-    extra = [r["hooked_ms"] - r["plain_ms"] for r in runs]
-    applied = sorted(name for name, d in runs[-1]["decisions"].items() if d and d["applied"])
-    return [
-        Row(
-            "time to fix, torch 2.9.0 (fixes applied: %s)" % ", ".join(applied),
-            "%.2f ms" % median(extra),
-            "<= %.0f ms" % FIX_BUDGET_MS,
-            median(extra) <= FIX_BUDGET_MS,
-            "as above, in a clone of the torch 2.9.0 venv with the wheel; median of %d processes (%s)"
-            % (len(extra), spread(extra)),
-            samples={"total": runs},
+    """The same where the most fixes are needed and applied."""
+    rows = []
+    for venv, version in MOST_FIXES:
+        label = "time to fix, megatron-core %s, %s" % (version, venv)
+        python = e.clone_with_wheel(venv)
+        if python is None:
+            rows.append(Row(label, "not measured", how="venv %s not built (make test-env)" % venv))
+            continue
+        env = mcore_env(version, MCORE_AUTOPATCH="0")
+        runs = [run_child([python, INPROCESS, "fix-total"], env).json() for _ in range(3 if quick else 9)]
+        extra = [r["hooked_ms"] - r["plain_ms"] for r in runs]
+        applied = sorted(name for name, d in runs[-1]["decisions"].items() if d and d["applied"])
+        rows.append(
+            Row(
+                "%s (fixes applied: %s)" % (label, ", ".join(applied)),
+                "%.2f ms" % median(extra),
+                "<= %.0f ms" % FIX_BUDGET_MS,
+                median(extra) <= FIX_BUDGET_MS,
+                "as above, in a clone of that venv with the wheel, %d watched modules (%s); median of %d "
+                "processes (%s)"
+                % (len(runs[-1]["watched"]), ", ".join(runs[-1]["watched"]), len(extra), spread(extra)),
+                samples={"total": runs},
+            )
         )
-    ]
+    return rows
 
 
 if __name__ == "__main__":

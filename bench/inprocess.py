@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List
 WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 STRATEGIES = "megatron.core.dist_checkpointing.strategies.torch"  # watched too: the mcore_data fixes
 PACKAGE = "megatron.core.dist_checkpointing"
+JOB_MODULES = (PACKAGE + ".strategies.fully_parallel", PACKAGE + ".exchange_utils", PACKAGE + ".strategies.common")
 MARK = "__mcore_autopatch__"
 
 
@@ -119,6 +120,11 @@ def _load_unpatched() -> Any:
     importlib.import_module(PACKAGE)
     writer = importlib.import_module(WRITER)
     importlib.import_module(STRATEGIES)
+    for name in JOB_MODULES:  # what a training job's checkpoint path imports besides
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not in this release
+            pass
     import mcore_autopatch  # imported by the .pth already; its submodules are not
 
     if mcore_autopatch.installed_finder() is not None:
@@ -133,18 +139,22 @@ def _load_unpatched() -> Any:
 
 
 def fix_total() -> None:
-    """Execute megatron-core's writer and strategies modules once more without our finder,
-    then once with it: the difference is what the hook adds to those imports (our first
-    imports, the spec lookups behind us, the loader wrappers, every fix's reading and
-    decision, and the rebindings)."""
+    """Execute every watched module of megatron-core that a job's checkpoint path has imported
+    once more without our finder, then once with it: the difference is what the hook adds to
+    those imports (our first imports, the spec lookups behind us, the loader wrappers, every
+    fix's reading and decision before and after each body, and the rebindings)."""
     _load_unpatched()
     import mcore_autopatch
 
+    # In the order the job imported them (model code first, then the checkpointing modules).
+    watched = [name for name in sys.modules if name in mcore_autopatch._WATCHED and name.startswith("megatron.")]
+
     def execute() -> float:
-        for name in (STRATEGIES, WRITER):
+        for name in watched:
             del sys.modules[name]
         t0 = time.perf_counter()
-        importlib.import_module(STRATEGIES)  # imports the writer at its top
+        for name in watched:  # some import others at their top; each runs once
+            importlib.import_module(name)
         return time.perf_counter() - t0
 
     plain_s = execute()
@@ -160,7 +170,15 @@ def fix_total() -> None:
 
     decisions = {fix.name: fixes.last_decision(fix) for fix in fixes.FIXES if fix.library == "megatron-core"}
     new = sorted(set(sys.modules) - before - {WRITER, STRATEGIES})
-    emit({"plain_ms": plain_s * 1e3, "hooked_ms": hooked_s * 1e3, "new_modules": new, "decisions": decisions})
+    emit(
+        {
+            "plain_ms": plain_s * 1e3,
+            "hooked_ms": hooked_s * 1e3,
+            "new_modules": new,
+            "decisions": decisions,
+            "watched": [name[len("megatron.core.") :] for name in watched],
+        }
+    )
 
 
 def fix_breakdown() -> None:

@@ -44,6 +44,11 @@ class Fix(NamedTuple):
     # Modules that import a watched module at their top: when one executes and the watched
     # module was loaded without our finder (a finder ahead of ours), the fix is applied then.
     importers: Tuple[str, ...] = ()
+    # A necessary condition, read without importing the implementation (a function of this
+    # module: the watched module -> None, or why the fix is not needed there), so that a
+    # process pays for a fix's module only where it may act.
+    gate: str = ""
+    acts_while_executing: bool = False  # its implementation has before(module, mode)
 
     @property
     def key(self) -> str:
@@ -96,6 +101,7 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="%s.MCoreSavePlanner._add_non_coordinator_iobytes_request: called only when the plan lacks one "
         "of the rank's objects, so each is planned once" % STRATEGIES_TORCH,
         implementation="mcore_autopatch.planner_fix",
+        gate="_planner_adds_its_own_requests",
     ),
     Fix(
         name="numpy_removed_names",
@@ -109,6 +115,7 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="that module's np global: numpy itself, but for the removed names it calls, which are numpy's "
         "own replacements (numpy.prod for product)",
         implementation="mcore_autopatch.numpy_fix",
+        gate="_numpy_lacks_a_removed_name",
     ),
     Fix(
         name="torch_load_weights_only",
@@ -119,6 +126,7 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="that module's torch global: torch itself, but load() passes weights_only=False when a call "
         "passes none, as on the torch those releases were written for",
         implementation="mcore_autopatch.weights_only_fix",
+        gate="_megatron_has_no_allowlist_of_its_own",
     ),
     Fix(
         name="pkg_resources_packaging",
@@ -136,9 +144,49 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="nothing afterwards: while that module's body runs, its `from pkg_resources import packaging` "
         "gets the installed packaging, and nothing else sees a pkg_resources",
         implementation="mcore_autopatch.pkg_resources_fix",
+        gate="_pkg_resources_may_lack_packaging",
+        acts_while_executing=True,
     ),
     _write_item_fix(writers.NVIDIA_RESILIENCY_EXT),
 )
+
+
+# --- gates: what rules a fix out without importing it -------------------------------------------
+
+# numpy 2 removed these aliases (numpy_fix.REPLACEMENTS says of what; a test checks they agree).
+REMOVED_BY_NUMPY_2 = ("product", "cumproduct", "alltrue", "sometrue")
+
+
+def _numpy_lacks_a_removed_name(module: ModuleType) -> Optional[str]:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and all(hasattr(numpy, name) for name in REMOVED_BY_NUMPY_2):
+        return "numpy %s has every name numpy 2 removed" % getattr(numpy, "__version__", "?")
+    return None
+
+
+def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
+    planner = vars(module).get("MCoreSavePlanner")
+    if isinstance(planner, type) and "_add_non_coordinator_iobytes_request" in vars(planner):
+        return None
+    return "megatron-core plans its ShardedObjects itself"
+
+
+def _megatron_has_no_allowlist_of_its_own(module: ModuleType) -> Optional[str]:
+    if "megatron.core.safe_globals" in sys.modules:
+        return "megatron-core registers its own allowlist with torch (megatron.core.safe_globals)"
+    return None
+
+
+def _pkg_resources_may_lack_packaging(module: ModuleType) -> Optional[str]:
+    loaded = sys.modules.get("pkg_resources")
+    if loaded is not None and hasattr(loaded, "packaging"):
+        return "the pkg_resources imported here provides packaging"
+    return None
+
+
+def ruled_out(fix: "Fix", module: ModuleType) -> Optional[str]:
+    """Why ``fix`` is not needed for ``module``, when its gate can tell; else None."""
+    return globals()[fix.gate](module) if fix.gate else None
 
 
 def watched_modules() -> "set[str]":
@@ -207,6 +255,15 @@ def last_decision(fix: Fix) -> Optional[Dict[str, Any]]:
 def run(fix: Fix, module: ModuleType, mode: str) -> None:
     """Apply ``fix`` to its just-executed ``module``; record and log the decision. Never raises."""
     try:
+        gated = ruled_out(fix, module)
+        if gated is not None:  # the implementation is not even imported
+            _state["last"].setdefault(fix.key, {})[module.__name__] = {
+                "needed": False,
+                "applied": False,
+                "reason": gated,
+                "where": module.__name__[len("megatron.core.") :],
+            }
+            return
         implementation = fix.implemented_by()
         if is_skipped(fix):
             decision = implementation.evaluate(module, mode).decision
@@ -247,11 +304,11 @@ def before_module_executes(module: ModuleType) -> Optional[Callable[[], None]]:
             return None
         cleanups = []
         for fix in FIXES:
-            if module.__name__ in fix.watches and not is_skipped(fix):
-                before = getattr(fix.implemented_by(), "before", None)
-                cleanup = before(module, mode) if before is not None else None
-                if cleanup is not None:
-                    cleanups.append(cleanup)
+            if fix.acts_while_executing and module.__name__ in fix.watches and not is_skipped(fix):
+                if ruled_out(fix, module) is None:
+                    cleanup = fix.implemented_by().before(module, mode)
+                    if cleanup is not None:
+                        cleanups.append(cleanup)
     except Exception:
         logger.warning("preparing %s failed; it is left unchanged", getattr(module, "__name__", module), exc_info=True)
         return None

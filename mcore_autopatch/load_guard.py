@@ -25,7 +25,7 @@ Checkpoints that have ``mcore_data`` take megatron-core's path unchanged.
 
 import copy
 from types import ModuleType
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from mcore_autopatch import policy
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -60,8 +60,14 @@ def cause(folder: Any) -> str:
     )
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
+class Evaluation:
+    __slots__ = ("decision",)
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+    ) -> None:
+        self.decision = decision
 
 
 def reads_mcore_data(function: Any) -> bool:

@@ -29,7 +29,7 @@ import dataclasses
 import dis
 import sys
 from types import CodeType, ModuleType
-from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from mcore_autopatch import policy, standin
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -43,13 +43,22 @@ KNOWN_ATTRIBUTES = ("mcore_data", "all_local_plans")
 MARK = "__mcore_autopatch__"
 
 
-class FinishReading(NamedTuple):
+class FinishReading:
     """How torch's ``FileSystemWriter.finish`` treats the Metadata it is given."""
 
-    drops: Optional[bool]  # None: cannot tell
-    text: str
-    target: Optional[str] = None  # the global of finish's module to rebind
-    namespace: Optional[Dict[str, Any]] = None  # that module's globals (finish.__globals__)
+    __slots__ = ("drops", "namespace", "target", "text")
+
+    def __init__(
+        self,
+        drops: Optional[bool],  # None: cannot tell
+        text: str,
+        target: Optional[str] = None,  # the global of finish's module to rebind
+        namespace: Optional[Dict[str, Any]] = None,  # that module's globals (finish.__globals__)
+    ) -> None:
+        self.drops = drops
+        self.text = text
+        self.target = target
+        self.namespace = namespace
 
 
 def unwrap(function: Any) -> Any:
@@ -140,12 +149,22 @@ def _declared_fields(cls: Optional[type]) -> FrozenSet[str]:
         return frozenset()
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
-    fs: Optional[ModuleType] = None
-    metadata_type: Optional[type] = None
-    attributes: Tuple[str, ...] = ()
-    finish: Optional[FinishReading] = None
+class Evaluation:
+    __slots__ = ("attributes", "decision", "finish", "fs", "metadata_type")
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+        fs: Optional[ModuleType] = None,
+        metadata_type: Optional[type] = None,
+        attributes: Tuple[str, ...] = (),
+        finish: Optional[FinishReading] = None,
+    ) -> None:
+        self.decision = decision
+        self.fs = fs
+        self.metadata_type = metadata_type
+        self.attributes = attributes
+        self.finish = finish
 
 
 def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:

@@ -20,7 +20,7 @@ itself, and every other module's view of it, are left as they are.
 
 import sys
 from types import ModuleType
-from typing import Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from mcore_autopatch import code_reading, policy, standin
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -29,12 +29,22 @@ from mcore_autopatch.writers import MEGATRON_CORE
 REPLACEMENTS: Dict[str, str] = {"product": "prod", "cumproduct": "cumprod", "alltrue": "all", "sometrue": "any"}
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
-    numpy: Optional[ModuleType] = None
-    owners: FrozenSet[str] = frozenset()  # the module's globals bound to numpy
-    missing: Tuple[str, ...] = ()  # removed names the module calls (sorted)
-    callers: Tuple[str, ...] = ()  # the functions that call them
+class Evaluation:
+    __slots__ = ("callers", "decision", "missing", "numpy", "owners")
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+        numpy: Optional[ModuleType] = None,
+        owners: FrozenSet[str] = frozenset(),  # the module's globals bound to numpy
+        missing: Tuple[str, ...] = (),  # removed names the module calls (sorted)
+        callers: Tuple[str, ...] = (),  # the functions that call them
+    ) -> None:
+        self.decision = decision
+        self.numpy = numpy
+        self.owners = owners
+        self.missing = missing
+        self.callers = callers
 
 
 def _megatron() -> str:

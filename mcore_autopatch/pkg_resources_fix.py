@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from mcore_autopatch import code_reading, importhook, policy
 from mcore_autopatch._log import logger
@@ -233,8 +233,14 @@ def _setuptools_version() -> str:
         return "(unknown version)"
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
+class Evaluation:
+    __slots__ = ("decision",)
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+    ) -> None:
+        self.decision = decision
 
 
 def decide(name: str, imports: Optional[bool], served: Optional[str]) -> policy.Decision:

@@ -21,7 +21,7 @@ a request for one of the rank's objects, so each object is planned once, as on t
 import io
 import sys
 from types import ModuleType
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 from mcore_autopatch import policy
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -33,9 +33,16 @@ TORCH_PLANNER_MODULE = "torch.distributed.checkpoint.default_planner"
 MARK = "__mcore_autopatch__"
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
-    planner: Optional[type] = None
+class Evaluation:
+    __slots__ = ("decision", "planner")
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+        planner: Optional[type] = None,
+    ) -> None:
+        self.decision = decision
+        self.planner = planner
 
 
 def torch_plans_objects_on_every_rank() -> "tuple[Optional[bool], str]":

@@ -102,6 +102,14 @@ def _plain_signature(sig: inspect.Signature) -> str:
 # --- the writer's version --------------------------------------------------------------
 
 
+# A version in its canonical PEP 440 form ("0.12.1", "0.13.0rc0", "0.12.1.dev0+mindspeed"):
+# its release numbers are read without importing packaging (a millisecond at the watched
+# import of a release that has not imported it itself).
+_CANONICAL = re.compile(
+    r"^(\d+(?:\.\d+)*)(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?$"
+)
+
+
 def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
     """``"0.12.1"`` -> ``(0, 12, 1)``; ``None`` for anything that is not a version.
 
@@ -110,6 +118,9 @@ def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
     """
     if not version or not isinstance(version, str):
         return None
+    canonical = _CANONICAL.match(version)
+    if canonical:  # what metadata holds; packaging reads the same release from it
+        return tuple(int(part) for part in canonical.group(1).split("."))
     try:
         from packaging.version import InvalidVersion, Version
     except ImportError:
@@ -134,26 +145,33 @@ class WriterVersion(NamedTuple):
 # writer name -> (weak references to its top package and its module as imported, the version
 # read for them):
 # several fixes of one library ask in the same import, and reading metadata costs ~0.4 ms.
-_versions: "dict[str, tuple[Any, Any, WriterVersion]]" = {}
+_versions: "dict[str, tuple[Any, Any, WriterVersion, bool]]" = {}
 
 
 def writer_version(writer: KnownWriter) -> WriterVersion:
     """The installed version of ``writer``'s distribution: its metadata when that metadata
     belongs to the code actually imported, else its ``package_info`` module. Read again
-    whenever the imported package or module is another object (a re-import, a new tree)."""
+    whenever the imported package or module is another object (a re-import, a new tree); a
+    writer module imported after the version was read (megatron-core's model code imports
+    first) keeps it: the read compared the metadata with the package imported then."""
     import weakref
 
     top = sys.modules.get(writer.module.split(".")[0])
     module = sys.modules.get(writer.module)
     cached = _versions.get(writer.name)
-    if cached is not None and top is not None and cached[0]() is top and cached[1]() is module:
-        return cached[2]
+    if cached is not None and top is not None and cached[0]() is top:
+        cached_module = cached[1]()
+        if cached_module is module or (cached_module is None and cached[3]):
+            if cached_module is None and module is not None:
+                _versions[writer.name] = (cached[0], weakref.ref(module), cached[2], False)
+            return cached[2]
     version = _read_writer_version(writer)
     try:
         _versions[writer.name] = (
             weakref.ref(top),
             weakref.ref(module) if module is not None else lambda: None,
             version,
+            module is None,  # read before the writer module was imported
         )
     except TypeError:  # not a module object (a test's stand-in): read it every time
         _versions.pop(writer.name, None)

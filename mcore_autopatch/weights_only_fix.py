@@ -28,7 +28,7 @@ other caller.
 import os
 import sys
 from types import ModuleType
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from mcore_autopatch import code_reading, policy, standin
 from mcore_autopatch.writers import MEGATRON_CORE
@@ -39,11 +39,20 @@ _TRUE = ("1", "y", "yes", "true")
 MARK = "__mcore_autopatch__"
 
 
-class Evaluation(NamedTuple):
-    decision: policy.Decision
-    torch: Optional[ModuleType] = None
-    owners: Tuple[str, ...] = ()
-    callers: Tuple[str, ...] = ()
+class Evaluation:
+    __slots__ = ("callers", "decision", "owners", "torch")
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+        torch: Optional[ModuleType] = None,
+        owners: Tuple[str, ...] = (),
+        callers: Tuple[str, ...] = (),
+    ) -> None:
+        self.decision = decision
+        self.torch = torch
+        self.owners = owners
+        self.callers = callers
 
 
 def torch_default(torch: ModuleType) -> "tuple[Optional[bool], str]":

@@ -18,7 +18,7 @@ writer module has executed.
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import mcore_autopatch
 from mcore_autopatch import policy, writers
@@ -100,14 +100,24 @@ def torch_version() -> str:
     return str(version) if version is not None else "(unknown version)"
 
 
-class Evaluation(NamedTuple):
+class Evaluation:
     """The decision for one writer module, with what applying it needs."""
 
-    decision: policy.Decision
-    fs: Optional[ModuleType] = None
-    original: Optional[Callable[..., Any]] = None  # torch's own _write_item
-    signature: Optional[policy.WriteItemSignature] = None
-    call: Optional[policy.CallEvidence] = None  # what the writer's code shows of its call
+    __slots__ = ("call", "decision", "fs", "original", "signature")
+
+    def __init__(
+        self,
+        decision: policy.Decision,
+        fs: Optional[ModuleType] = None,
+        original: Optional[Callable[..., Any]] = None,  # torch's own _write_item
+        signature: Optional[policy.WriteItemSignature] = None,
+        call: Optional[policy.CallEvidence] = None,  # what the writer's code shows of its call
+    ) -> None:
+        self.decision = decision
+        self.fs = fs
+        self.original = original
+        self.signature = signature
+        self.call = call
 
 
 def evaluate(writer: ModuleType, mode: str) -> Evaluation:

@@ -386,3 +386,30 @@ def test_skip_names_fixes_and_a_skipped_fix_is_read_but_not_applied(monkeypatch)
     assert fixes.skipped_names() == {"torch_load_weights_only", "numpy_removed_names"}
     assert fixes.is_skipped(fixes.by_name("numpy_removed_names"))
     assert not fixes.is_skipped(fixes.by_name("write_item"))
+
+
+def test_gates_know_what_the_implementations_know():
+    """fixes.py rules a fix out without importing it; what it checks must be what the fix reads."""
+    assert set(fixes.REMOVED_BY_NUMPY_2) == set(numpy_fix.REPLACEMENTS)
+    assert "_add_non_coordinator_iobytes_request" == planner_fix.METHOD
+    assert fixes.by_name("torch_load_weights_only").gate and weights_only_fix.OWN_ALLOWLIST_MODULE in (
+        fixes._megatron_has_no_allowlist_of_its_own.__code__.co_consts
+    )
+    assert [f.name for f in fixes.FIXES if f.acts_while_executing] == ["pkg_resources_packaging"]
+
+
+def test_a_gated_fix_is_not_imported_where_it_cannot_act(monkeypatch):
+    """numpy 1.x: the numpy fix's module is never imported, and the hook records why."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numpy", fake_numpy("1.26.4", has_product=True))
+    monkeypatch.delitem(sys.modules, "mcore_autopatch.numpy_fix", raising=False)
+    monkeypatch.setattr(fixes, "_state", fixes._fresh_state())
+    module = fake_module("megatron.core.dist_checkpointing.validation", VALIDATION, np=sys.modules["numpy"])
+    fixes.run(fixes.by_name("numpy_removed_names"), module, "auto")
+    assert "mcore_autopatch.numpy_fix" not in sys.modules
+    assert fixes.last_decision(fixes.by_name("numpy_removed_names")) == {
+        "needed": False,
+        "applied": False,
+        "reason": "numpy 1.26.4 has every name numpy 2 removed (in dist_checkpointing.validation)",
+    }

@@ -664,7 +664,9 @@ def clone_venv(source: str, target: str) -> str:
     """
     shutil.rmtree(target, ignore_errors=True)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    run("cp", "-al", source, target)
+    # The venv itself, not a symbolic link to it: cp would copy the link, and pip would then
+    # install into the cached venv through it.
+    run("cp", "-al", os.path.realpath(source), target)
     stamp = os.path.join(target, ".envs-stamp")
     if os.path.exists(stamp):
         os.remove(stamp)
