@@ -346,17 +346,24 @@ def check(info: Dict[str, Any]) -> Tuple[int, str]:
     libraries = {row["name"] for row in relevant}
     rows = [row for row in info.get("fixes") or [] if row["library"] in libraries]
     rows = [row for row in rows if row["fix"] == "write_item" or row["needed"] is not False or row["applied"]]
-    failing = [row for row in rows if row["needed"] is True and not row["applied"]]
+    # Left out on purpose (MCORE_AUTOPATCH_SKIP): said, never a failure of the gate.
+    failing = [row for row in rows if row["needed"] is True and not row["applied"] and not row.get("skipped")]
     if failing:
         reasons = "; ".join("%s: %s" % (_label(row), row["reason"]) for row in failing)
         detail = "%s (%s)" % (info["advice"], reasons) if info["advice"] else reasons
         return NEEDED_NOT_ACTIVE, "FAIL: fix needed but not active in this interpreter: %s" % detail
-    unknown = [row for row in rows if row["needed"] is None and not row["applied"]]
+    unknown = [row for row in rows if row["needed"] is None and not row["applied"] and not row.get("skipped")]
     if unknown:
         return CANNOT_TELL, "UNKNOWN: cannot tell whether the fix is needed: %s" % "; ".join(
             "%s: %s" % (_label(row), row["reason"]) for row in unknown
         )
-    parts = ["%s %s (%s)" % (_label(row), "active" if row["applied"] else "not needed", row["reason"]) for row in rows]
+
+    def state(row: Dict[str, Any]) -> str:
+        if row["applied"]:
+            return "active"
+        return "skipped" if row.get("skipped") and row["needed"] else "not needed"
+
+    parts = ["%s %s (%s)" % (_label(row), state(row), row["reason"]) for row in rows]
     return ACTIVE_OR_NOT_NEEDED, "ok: " + "; ".join(parts)
 
 

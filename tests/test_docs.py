@@ -40,10 +40,21 @@ ELLIPSIS = "…"
 
 # The error texts people search for (tests/test_e2e_save.py and test_e2e_job_path.py assert
 # that real saves and loads produce them).
+from test_e2e_fresh_stack import NO_PKG_RESOURCES, PLANNED_TWICE, PRODUCT, WEIGHTS_ONLY  # noqa: E402
 from test_e2e_job_path import MISSING_MCORE_DATA  # noqa: E402
 from test_e2e_save import MISSING_FORMAT, MISSING_STORAGE_KEY, MISSING_TWO  # noqa: E402
 
-ERROR_TEXTS = [MISSING_FORMAT, MISSING_TWO, MISSING_STORAGE_KEY, MISSING_MCORE_DATA]
+NO_PACKAGING = "ImportError: cannot import name 'packaging' from 'pkg_resources'"  # test_e2e_fresh_stack asserts it
+ERROR_TEXTS = [
+    MISSING_FORMAT,
+    MISSING_TWO,
+    MISSING_STORAGE_KEY,
+    MISSING_MCORE_DATA,
+    PRODUCT.split(": ", 1)[1],
+    WEIGHTS_ONLY,
+    NO_PKG_RESOURCES.split(": ", 1)[1],
+    PLANNED_TWICE,
+]
 
 
 def blocks(page: str) -> List[Tuple[str, str]]:
@@ -130,6 +141,12 @@ def known_errors() -> List[str]:
         "CheckpointingException: %s. … tensor(s) are loaded here with another layout than they were saved with, "
         "and their original shapes cannot be proved from the checkpoint: …" % load_guard.cause(CHECKPOINT_PLACEHOLDER),
         "FAIL: fix needed but not active in this interpreter: …",
+        PRODUCT,
+        "_pickle.UnpicklingError: Weights only load failed. … Unsupported global: GLOBAL argparse.Namespace was not an "
+        "allowed global by default. …",
+        NO_PKG_RESOURCES,
+        NO_PACKAGING + " (…)",
+        "AssertionError: " + PLANNED_TWICE,
     ]
 
 
@@ -263,10 +280,10 @@ def test_chinese_quick_start_names_the_same_commands_variables_and_errors():
 
 def test_documented_variables_and_values_are_the_codes():
     import mcore_autopatch
-    from mcore_autopatch import _log
+    from mcore_autopatch import _log, fixes
 
     for page in ("README.md", "README.zh-CN.md"):
         text = page_text(page)
-        assert set(re.findall(r"\bMCORE_AUTOPATCH\w*", text)) == {"MCORE_AUTOPATCH", _log.LOG_ENV}
+        assert set(re.findall(r"\bMCORE_AUTOPATCH\w*", text)) == {"MCORE_AUTOPATCH", _log.LOG_ENV, fixes.SKIP_ENV}
         for word in (*mcore_autopatch._OFF_WORDS, "auto", "force", *_log.LEVELS):
             assert "`%s`" % word in text, (page, word)

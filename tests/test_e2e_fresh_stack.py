@@ -249,3 +249,18 @@ def test_setuptools_70_3_pkg_resources_without_packaging(torch_python, python_wi
     assert "pkg_resources has no packaging (setuptools 70.0 - 70.3)" in row["reason"]
     off = run_python(python_without_wheel(cell), ["-c", "import megatron.core"], clean_env(PYTHONPATH=path))
     assert "ImportError: cannot import name 'packaging' from 'pkg_resources'" in off.stderr
+
+
+def test_skipping_a_fix_leaves_it_out_and_check_says_so(torch_python):
+    """MCORE_AUTOPATCH_SKIP=numpy_removed_names on numpy 2: the fix is read and reported, not
+    applied; `check` names it skipped and passes (a choice, not a broken image); the selftest's
+    distributed-optimizer-style save then fails as upstream does."""
+    python = torch_python("2.13.0-numpy2")
+    env = clean_env(PYTHONPATH=mcore_folder("0.12.1"), MCORE_AUTOPATCH_SKIP="numpy_removed_names")
+    check = run_python(python, ["-m", "mcore_autopatch", "check"], env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "megatron-core numpy_removed_names skipped (megatron-core 0.12.1 calls numpy.product" in check.stdout
+    assert "skipped: MCORE_AUTOPATCH_SKIP names it" in check.stdout
+    selftest = run_python(python, ["-m", "mcore_autopatch", "selftest"], env)
+    assert selftest.returncode == 1
+    assert selftest.stdout.startswith("selftest: FAILED: distributed-optimizer-style state: the save raised " + PRODUCT)
