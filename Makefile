@@ -2,6 +2,8 @@
 # Recipes are not echoed: stdout carries only what a target produces (a path, a hash, a
 # table, test reports); the tools say what they do on stderr.
 # Everything is built into ignored folders: .cache/ (test environments), .venv/ (demo), dist/.
+# Nor does make announce directories on stdout when it runs inside another make.
+MAKEFLAGS += --no-print-directory
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
 

@@ -170,6 +170,8 @@ STEERING_PREFIXES = (
     "MASTER_",
     "LOCAL_RANK",
     "COV_",
+    "MAKE",  # MAKEFLAGS, MAKELEVEL: a make run by a test would act as a sub-make of `make test`
+    "MFLAGS",
 )
 
 
