@@ -168,11 +168,16 @@ def test_without_the_package_numpy_2_fails_the_first_save_as_upstream_does(
 WEIGHTS_ONLY_ROWS = {"0.6.0": "2.15.0-numpy1", "0.9.0": "2.15.0-numpy1", "0.10.0": "2.15.0-numpy1"}
 
 
-@pytest.mark.parametrize("version", sorted(WEIGHTS_ONLY_ROWS, key=release))
-def test_without_the_package_resuming_fails_on_torchs_weights_only_default(torch_python, python_without_wheel, version):
+@pytest.mark.parametrize(
+    "version,torch_release",
+    [pytest.param(v, c, marks=pytest.mark.compat(v, FRESH_OFF), id=v) for v, c in WEIGHTS_ONLY_ROWS.items()],
+)
+def test_without_the_package_resuming_fails_on_torchs_weights_only_default(
+    torch_python, python_without_wheel, version, torch_release
+):
     """Saved with the wheel, resumed in the same image without it: megatron-core's bare
     torch.load of common.pt refuses Megatron-LM's Namespace args."""
-    cell = WEIGHTS_ONLY_ROWS[version]
+    cell = torch_release
     save = saved(torch_python, cell, version, *ROW_ARGS[version])
     assert save["ok"], job_failure(save)
     result = run_training_job(python_without_wheel(cell), version, "resume", save["root"], *ROW_ARGS[version])
@@ -181,8 +186,13 @@ def test_without_the_package_resuming_fails_on_torchs_weights_only_default(torch
     assert WEIGHTS_ONLY in error and "argparse.Namespace" in error, error
 
 
-@pytest.mark.parametrize("version", ["0.7.0", "0.8.0"])
-def test_old_image_with_pkg_resources_resumes_only_with_the_package(torch_python, python_without_wheel, version):
+@pytest.mark.parametrize(
+    "version,torch_release",
+    [pytest.param(v, "2.9.0", marks=pytest.mark.compat(v, FRESH_JOB), id=v) for v in ("0.7.0", "0.8.0")],
+)
+def test_old_image_with_pkg_resources_resumes_only_with_the_package(
+    torch_python, python_without_wheel, version, torch_release
+):
     """torch 2.9.0's own venv has setuptools 65 (pkg_resources with packaging) and numpy 1.26:
     0.7/0.8 import there without help, and their resume still needs the weights_only fix."""
     save = saved(torch_python, "2.9.0-numpy1", version, *ROW_ARGS[version])
@@ -195,8 +205,11 @@ def test_old_image_with_pkg_resources_resumes_only_with_the_package(torch_python
     assert all(r["stack"]["pkg_resources"] == "importable" for r in fixed["ranks"])
 
 
-@pytest.mark.parametrize("version", ["0.6.0", "0.7.0", "0.8.0"])
-def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_python, version):
+@pytest.mark.parametrize(
+    "version,torch_release",
+    [pytest.param(v, "2.6.0", marks=pytest.mark.compat(v, FRESH_JOB), id=v) for v in ("0.6.0", "0.7.0", "0.8.0")],
+)
+def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_python, version, torch_release):
     """torch 2.6.0, where 0.6 - 0.8 call _write_item as it wants and pkg_resources is there:
     the only break left for a save is the ShardedObject (rng_state) planned twice."""
     root = run_dir_folder("off-planner-")
@@ -221,8 +234,12 @@ def test_checkpoint_saved_on_numpy_1_resumes_after_the_image_moves_to_numpy_2(to
     assert all(r["loaded_equal"] and r["numpy"].startswith("2.") for r in resume["ranks"])
 
 
-@pytest.mark.parametrize("version", [pytest.param("0.12.1", marks=pytest.mark.compat("0.12.1", FRESH_JOB))])
-def test_python_3_12_runs_the_release_files_and_saves_and_resumes(torch_python, python_without_wheel, version):
+@pytest.mark.parametrize(
+    "version,torch_release", [pytest.param("0.12.1", PY312, marks=pytest.mark.compat("0.12.1", FRESH_JOB), id="0.12.1")]
+)
+def test_python_3_12_runs_the_release_files_and_saves_and_resumes(
+    torch_python, python_without_wheel, version, torch_release
+):
     """vLLM images' CPython 3.12: megatron-core 0.12.1 has no wheel for it and runs from the
     release's files on PYTHONPATH; torch 2.9.0 and numpy 2, so every fix applies at once."""
     save = assert_saved_and_resumed(torch_python, PY312, version, *ROW_ARGS[version])
