@@ -34,6 +34,18 @@ def test_bench_log_goes_to_stderr_only(capsys):
     assert (captured.out, captured.err) == ("", "[bench] measuring\n")
 
 
+def test_envs_stops_before_pip_when_the_disk_is_short_and_says_how_much(monkeypatch, capsys):
+    usage = shutil.disk_usage(envs.ROOT)
+    monkeypatch.setattr(envs.shutil, "disk_usage", lambda path: usage._replace(free=3 * 10**9))
+    with pytest.raises(SystemExit) as stopped:
+        envs.ensure_free_space(envs.TORCH_INSTALL_PEAK_GB, "installing torch 2.8.0")
+    message = str(stopped.value)
+    assert "installing torch 2.8.0 needs about 8 GB free" in message and "3.0 GB is free" in message
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(envs.shutil, "disk_usage", lambda path: usage._replace(free=9 * 10**9))
+    envs.ensure_free_space(envs.TORCH_INSTALL_PEAK_GB, "installing torch 2.8.0")  # enough: no stop
+
+
 def test_envs_unknown_target_says_why_on_stderr_and_changes_nothing(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "envs.py"), "no-such-target"],

@@ -151,6 +151,23 @@ def pip_install(python: str, *args: str, env: "dict[str, str] | None" = None) ->
     run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args, env=env)
 
 
+# What one pip install of a CUDA torch takes before its unused nvidia libraries are pruned
+# (2.8.0: 5.0 GB kept + 1.5 GB pruned), with room for the wheels pip unpacks beside it.
+TORCH_INSTALL_PEAK_GB = 8.0
+
+
+def ensure_free_space(gigabytes: float, what: str) -> None:
+    """Stop with a clear message, before pip starts, when the disk of .cache/ has less than
+    ``gigabytes`` free: a full disk otherwise shows up as an OSError deep in pip's output."""
+    free = shutil.disk_usage(CACHE if os.path.isdir(CACHE) else ROOT).free / 1e9
+    if free < gigabytes:
+        raise SystemExit(
+            "[envs] %s needs about %.0f GB free on the disk of %s; %.1f GB is free. The test "
+            "environments take about 26 GB in all (docs/testing.md); free space, or run "
+            "`make clean` and try again." % (what, gigabytes, CACHE, free)
+        )
+
+
 def torch_pip_env(release: str) -> "dict[str, str] | None":
     """The environment of the one pip command that installs torch ``release``."""
     if release not in ABOVE_PIP_CONSTRAINT:
@@ -305,6 +322,7 @@ def torch_venv(release: str) -> str:
         siblings = [r for r in TORCH_MATRIX if TORCH_MATRIX[r] == line and r != release and _torch_installed(r)]
         sibling = siblings[0] if siblings else None
         started = time.time()
+        ensure_free_space(TORCH_INSTALL_PEAK_GB, "installing torch %s" % release)
         if sibling is None:
             make_venv(folder, packages, label="(torch %s, %s)" % (release, line), pip_env=torch_pip_env(release))
         else:
@@ -532,8 +550,9 @@ def py312_ready() -> bool:
 
 def py312() -> "str | None":
     """torch 2.9.0 (a CUDA build, with its nvidia-* dependencies) for CPython 3.12. The nvidia
-    libraries are the same files as the 3.11 venv of torch 2.9.0 has: they are pruned the same
-    way and then hard-linked to that venv's copies, so they are stored once."""
+    libraries and torch's own shared libraries are the same files as the 3.11 venv of torch
+    2.9.0 has: they are pruned the same way and then hard-linked to that venv's copies, so
+    they are stored once."""
     python = find_python("3.12")
     if python is None:
         log("CPython 3.12 not found; the 3.12 row is skipped")
@@ -541,6 +560,7 @@ def py312() -> "str | None":
     if py312_ready():
         return venv_python(PY312)
     torch_venv(PY312_TORCH)  # the copies to link to
+    ensure_free_space(TORCH_INSTALL_PEAK_GB, "installing torch %s for CPython 3.12" % PY312_TORCH)
     started = time.time()
     log("creating %s (CPython 3.12, torch %s, numpy 2)" % (os.path.relpath(PY312, ROOT), PY312_TORCH))
     shutil.rmtree(PY312, ignore_errors=True)
@@ -560,19 +580,22 @@ def py312() -> "str | None":
 
 
 def link_identical_files(folder: str, reference: str) -> "tuple[int, float]":
-    """Replace each file under ``folder``/nvidia that is byte-identical to the file at the same
-    path under ``reference``/nvidia with a hard link to it. Returns (files, MB)."""
+    """Replace each file under ``folder`` that is byte-identical to the file at the same path
+    under ``reference`` with a hard link to it. Returns (files, MB). Only files of 1 MB and
+    more are compared: the shared libraries of the same torch build for another CPython
+    (libtorch_cuda.so alone is 1 GB) and its nvidia-* libraries."""
     import filecmp
 
     count, saved = 0, 0
-    base = os.path.join(folder, "nvidia")
-    for root, _dirs, files in os.walk(base):
+    for root, _dirs, files in os.walk(folder):
         for name in files:
             path = os.path.join(root, name)
-            twin = os.path.join(reference, "nvidia", os.path.relpath(path, base))
-            if not os.path.isfile(twin) or os.path.samefile(path, twin) or not filecmp.cmp(path, twin, shallow=False):
+            twin = os.path.join(reference, os.path.relpath(path, folder))
+            if os.path.islink(path) or not os.path.isfile(twin) or os.path.samefile(path, twin):
                 continue
             size = os.stat(path).st_size
+            if size < 2**20 or size != os.stat(twin).st_size or not filecmp.cmp(path, twin, shallow=False):
+                continue
             os.remove(path)
             os.link(twin, path)
             count, saved = count + 1, saved + size
