@@ -28,7 +28,6 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional
 
 from mcore_autopatch import policy
-from mcore_autopatch.writers import MEGATRON_CORE
 
 # checkpoint_metadata is imported where a checkpoint without mcore_data is met, not at the
 # watched import: most processes never load one.
@@ -83,8 +82,7 @@ def reads_mcore_data(function: Any) -> bool:
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    version = policy.writer_version(MEGATRON_CORE).version or "(unknown version)"
-    label = "megatron-core %s" % version
+    label = policy.megatron_core_label()
     function = vars(module).get("get_reformulation_metadata")
     if function is None or not reads_mcore_data(function):
         return Evaluation(policy.Decision(False, "%s does not read mcore_data when loading" % label))

@@ -32,7 +32,6 @@ from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from mcore_autopatch import policy, standin
-from mcore_autopatch.writers import MEGATRON_CORE
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -177,7 +176,7 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
         return Evaluation(policy.Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
     finish = read_finish(fs)
     attributes = megatron_attributes(strategies_torch, metadata_type)
-    megatron = "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
+    megatron = policy.megatron_core_label()
     if not attributes:
         reason = "%s sets no attribute of its own on the checkpoint Metadata" % megatron
         return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)

@@ -23,7 +23,6 @@ from types import ModuleType
 from typing import Dict, FrozenSet, Optional, Tuple
 
 from mcore_autopatch import code_reading, policy, standin
-from mcore_autopatch.writers import MEGATRON_CORE
 
 # Removed in numpy 2.0 -> what numpy 1.x documented them as aliases of.
 REPLACEMENTS: Dict[str, str] = {"product": "prod", "cumproduct": "cumprod", "alltrue": "all", "sometrue": "any"}
@@ -47,21 +46,18 @@ class Evaluation:
         self.callers = callers
 
 
-def _megatron() -> str:
-    return "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
-
-
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
     where = code_reading.short_name(module.__name__)
+    megatron = policy.megatron_core_label()
     numpy = sys.modules.get("numpy")
     if numpy is None:
-        return Evaluation(policy.Decision(False, "%s: numpy is not imported" % _megatron(), where=where))
+        return Evaluation(policy.Decision(False, "%s: numpy is not imported" % megatron, where=where))
     owners = code_reading.globals_bound_to(module, numpy, standin.real_module)
     gone = frozenset(name for name in REPLACEMENTS if not hasattr(numpy, name))
     version = getattr(numpy, "__version__", "?")
     if not owners or not gone:
         why = "no numpy global" if not owners else "numpy %s has every name its checkpointing code calls" % version
-        return Evaluation(policy.Decision(False, "%s: %s" % (_megatron(), why), where=where), numpy, owners)
+        return Evaluation(policy.Decision(False, "%s: %s" % (megatron, why), where=where), numpy, owners)
     missing: "set[str]" = set()
     callers = []
     for qualname, code in code_reading.defined_functions(module):
@@ -70,7 +66,7 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
             missing |= called
             callers.append(qualname)
     if not missing:
-        reason = "%s calls none of the names numpy %s removed" % (_megatron(), version)
+        reason = "%s calls none of the names numpy %s removed" % (megatron, version)
         return Evaluation(policy.Decision(False, reason, where=where), numpy, owners)
     names = sorted(missing)
     where = "%s: %s" % (where, ", ".join(callers))
@@ -78,14 +74,14 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
     called = ", ".join("numpy.%s" % n for n in names)
     if unavailable:
         reason = "%s calls %s, and numpy %s has no %s either; not patching" % (
-            _megatron(),
+            megatron,
             called,
             version,
             ", ".join(REPLACEMENTS[n] for n in unavailable),
         )
         return Evaluation(policy.Decision(None, reason, where=where), numpy, owners, tuple(names), tuple(callers))
     reason = "%s calls %s, which numpy %s no longer has: the numpy global of each module that calls it gives %s" % (
-        _megatron(),
+        megatron,
         called,
         version,
         ", ".join("numpy.%s under the name %s" % (REPLACEMENTS[n], n) for n in names),

@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mcore_autopatch import code_reading, importhook, policy
 from mcore_autopatch._log import logger
-from mcore_autopatch.writers import MEGATRON_CORE
 
 NAME = "pkg_resources_packaging"
 MODULES = (
@@ -244,7 +243,7 @@ class Evaluation:
 
 
 def decide(name: str, imports: Optional[bool], served: Optional[str]) -> policy.Decision:
-    megatron = "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
+    megatron = policy.megatron_core_label()
     where = code_reading.short_name(name)
     if served == "stand-in":
         reason = (

@@ -24,7 +24,6 @@ from types import ModuleType
 from typing import Any, Callable, Optional
 
 from mcore_autopatch import policy
-from mcore_autopatch.writers import MEGATRON_CORE
 
 NAME = "sharded_objects_planned_once"
 PLANNER = "MCoreSavePlanner"
@@ -64,7 +63,7 @@ def torch_plans_objects_on_every_rank() -> "tuple[Optional[bool], str]":
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    megatron = "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
+    megatron = policy.megatron_core_label()
     planner = vars(module).get(PLANNER)
     if not isinstance(planner, type) or METHOD not in vars(planner):
         return Evaluation(policy.Decision(False, "%s plans its ShardedObjects itself" % megatron))

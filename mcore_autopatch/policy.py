@@ -148,6 +148,11 @@ class WriterVersion(NamedTuple):
 _versions: "dict[str, tuple[Any, Any, WriterVersion, bool]]" = {}
 
 
+def megatron_core_label() -> str:
+    """"megatron-core 0.12.1": how every fix names the release in its reasons."""
+    return "megatron-core %s" % (writer_version(MEGATRON_CORE).version or "(unknown version)")
+
+
 def writer_version(writer: KnownWriter) -> WriterVersion:
     """The installed version of ``writer``'s distribution: its metadata when that metadata
     belongs to the code actually imported, else its ``package_info`` module. Read again

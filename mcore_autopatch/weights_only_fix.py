@@ -31,7 +31,6 @@ from types import ModuleType
 from typing import Any, Callable, Optional, Tuple
 
 from mcore_autopatch import code_reading, policy, standin
-from mcore_autopatch.writers import MEGATRON_CORE
 
 NAME = "torch_load_weights_only"
 OWN_ALLOWLIST_MODULE = "megatron.core.safe_globals"  # megatron-core 0.14+: its own choice
@@ -75,15 +74,12 @@ def torch_default(torch: ModuleType) -> "tuple[Optional[bool], str]":
         return None, "torch's default for weights_only cannot be read (%s)" % exc
 
 
-def _megatron() -> str:
-    return "megatron-core %s" % (policy.writer_version(MEGATRON_CORE).version or "(unknown version)")
-
-
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
     where = code_reading.short_name(module.__name__)
+    megatron = policy.megatron_core_label()
     torch = sys.modules.get("torch")
     if torch is None:
-        return Evaluation(policy.Decision(False, "%s: torch is not imported" % _megatron(), where=where))
+        return Evaluation(policy.Decision(False, "%s: torch is not imported" % megatron, where=where))
     owners = code_reading.globals_bound_to(module, torch, standin.real_module)
     callers = tuple(
         qualname
@@ -92,10 +88,10 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
         and "weights_only" not in code_reading.mentions(code)
     )
     if not callers:
-        reason = "%s passes weights_only to every torch.load of its checkpointing code" % _megatron()
+        reason = "%s passes weights_only to every torch.load of its checkpointing code" % megatron
         return Evaluation(policy.Decision(False, reason, where=where))
     where = "%s: %s" % (where, ", ".join(callers))
-    reads = "%s reads checkpoint files with torch.load and no weights_only" % _megatron()
+    reads = "%s reads checkpoint files with torch.load and no weights_only" % megatron
     if OWN_ALLOWLIST_MODULE in sys.modules:
         reason = "%s, and registers its own allowlist with torch (%s): left to it" % (reads, OWN_ALLOWLIST_MODULE)
         return Evaluation(policy.Decision(False, reason, where=where))
