@@ -126,7 +126,7 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="that module's torch global: torch itself, but load() passes weights_only=False when a call "
         "passes none, as on the torch those releases were written for",
         implementation="mcore_autopatch.weights_only_fix",
-        gate="_megatron_has_no_allowlist_of_its_own",
+        gate="_megatron_may_load_without_weights_only",
     ),
     Fix(
         name="pkg_resources_packaging",
@@ -171,10 +171,17 @@ def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
     return "megatron-core plans its ShardedObjects itself"
 
 
-def _megatron_has_no_allowlist_of_its_own(module: ModuleType) -> Optional[str]:
+def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]:
     if "megatron.core.safe_globals" in sys.modules:
         return "megatron-core registers its own allowlist with torch (megatron.core.safe_globals)"
-    return None
+    from mcore_autopatch import code_reading
+
+    # 0.11+ name weights_only in every function that loads: no bytecode needs reading then.
+    for _name, code in code_reading.defined_functions(module):
+        names = code_reading.mentions(code)
+        if "load" in names and "weights_only" not in names:
+            return None
+    return "megatron-core passes weights_only wherever its code here calls a load"
 
 
 def _pkg_resources_may_lack_packaging(module: ModuleType) -> Optional[str]:

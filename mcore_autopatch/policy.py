@@ -104,10 +104,9 @@ def _plain_signature(sig: inspect.Signature) -> str:
 
 # A version in its canonical PEP 440 form ("0.12.1", "0.13.0rc0", "0.12.1.dev0+mindspeed"):
 # its release numbers are read without importing packaging (a millisecond at the watched
-# import of a release that has not imported it itself).
-_CANONICAL = re.compile(
-    r"^(\d+(?:\.\d+)*)(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?$"
-)
+# import of a release that has not imported it itself). Compiled on first use: a plain
+# "0.12.1", what releases carry, needs no pattern (0.3 ms to compile at a watched import).
+_CANONICAL = r"^(\d+(?:\.\d+)*)(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?$"
 
 
 def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
@@ -118,7 +117,10 @@ def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
     """
     if not version or not isinstance(version, str):
         return None
-    canonical = _CANONICAL.match(version)
+    parts = version.split(".")
+    if all(part.isascii() and part.isdigit() for part in parts):
+        return tuple(int(part) for part in parts)
+    canonical = re.match(_CANONICAL, version)
     if canonical:  # what metadata holds; packaging reads the same release from it
         return tuple(int(part) for part in canonical.group(1).split("."))
     try:

@@ -393,9 +393,23 @@ def test_gates_know_what_the_implementations_know():
     assert set(fixes.REMOVED_BY_NUMPY_2) == set(numpy_fix.REPLACEMENTS)
     assert "_add_non_coordinator_iobytes_request" == planner_fix.METHOD
     assert fixes.by_name("torch_load_weights_only").gate and weights_only_fix.OWN_ALLOWLIST_MODULE in (
-        fixes._megatron_has_no_allowlist_of_its_own.__code__.co_consts
+        fixes._megatron_may_load_without_weights_only.__code__.co_consts
     )
     assert [f.name for f in fixes.FIXES if f.acts_while_executing] == ["pkg_resources_packaging"]
+
+
+def test_weights_only_gate_lets_a_bare_load_through_and_rules_out_a_release_that_names_it():
+    """0.6 - 0.10 (a load without weights_only) go on to the fix; 0.11+ are ruled out by names alone."""
+    old = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=FakeTorch("2.13.0", True))
+    assert fixes._megatron_may_load_without_weights_only(old) is None
+    newer = fake_module(
+        "megatron.core.dist_checkpointing.strategies.common",
+        "def load_common(path):\n    return torch.load(path, weights_only=False)\n",
+        torch=FakeTorch("2.13.0", True),
+    )
+    assert fixes._megatron_may_load_without_weights_only(newer) == (
+        "megatron-core passes weights_only wherever its code here calls a load"
+    )
 
 
 def test_a_gated_fix_is_not_imported_where_it_cannot_act(monkeypatch):
