@@ -19,6 +19,8 @@ Anything unrecognised means "do not patch" with a reason, because a guess could 
 what gets written.
 """
 
+from __future__ import annotations
+
 import inspect
 import re
 import sys

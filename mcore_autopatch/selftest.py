@@ -15,6 +15,8 @@ stdout carries one line, the verdict (``selftest: passed`` / ``FAILED: ...`` / `
 run: ...``); what it does and how long each step took go to stderr.
 """
 
+from __future__ import annotations
+
 import contextlib
 import importlib
 import inspect
