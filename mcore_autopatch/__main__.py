@@ -1,7 +1,5 @@
 """``python -m mcore_autopatch``: the command line (see ``mcore_autopatch.cli``)."""
 
-from __future__ import annotations
-
 import sys
 
 from mcore_autopatch.cli import main

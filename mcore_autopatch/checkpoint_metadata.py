@@ -16,8 +16,6 @@ two ways, and this module never guesses beyond them:
 Works on the unpickled objects by their attributes; imports neither torch nor megatron.
 """
 
-from __future__ import annotations
-
 import os
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 

@@ -18,8 +18,6 @@ interpreter as it was started. Results go to stdout; the ``mcore_autopatch`` log
 (``MCORE_AUTOPATCH_LOG``) writes only to stderr.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 from typing import Any, Dict, List, Optional

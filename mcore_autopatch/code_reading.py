@@ -6,8 +6,6 @@ load (``np.product``, ``torch.load``), and which names they mention. Only functi
 names already mention what is looked for are disassembled, so reading a module costs little.
 """
 
-from __future__ import annotations
-
 import dis
 from types import CodeType, ModuleType
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, Tuple

@@ -18,8 +18,6 @@ they never raise. ``MCORE_AUTOPATCH_SKIP`` names fixes to leave out (they are st
 reported).
 """
 
-from __future__ import annotations
-
 import importlib
 import os
 import sys

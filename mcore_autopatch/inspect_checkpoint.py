@@ -10,8 +10,6 @@ torch's own ``Metadata`` pickled as torch pickles it, readable without mcore-aut
 old file is kept beside it; nothing is written when anything is not proved.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import pickle

@@ -25,8 +25,6 @@ attributes from the old ``Metadata`` to the new one; everything else is the real
 ``Metadata`` with the attributes, no class of ours.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import dis
 import sys

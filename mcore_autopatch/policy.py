@@ -19,8 +19,6 @@ Anything unrecognised means "do not patch" with a reason, because a guess could 
 what gets written.
 """
 
-from __future__ import annotations
-
 import inspect
 import re
 import sys

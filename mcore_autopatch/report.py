@@ -7,8 +7,6 @@ as it was started. megatron-core's answer is also given at the top level of the 
 the keys scripts have read since 0.1.0.
 """
 
-from __future__ import annotations
-
 import contextlib
 import importlib
 import os

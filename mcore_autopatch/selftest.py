@@ -15,8 +15,6 @@ stdout carries one line, the verdict (``selftest: passed`` / ``FAILED: ...`` / `
 run: ...``); what it does and how long each step took go to stderr.
 """
 
-from __future__ import annotations
-
 import contextlib
 import importlib
 import inspect

@@ -8,8 +8,6 @@ for every entry. Adding a writer is one entry here, its row in the table of fixe
 ``mcore_autopatch/__init__.py`` (a test checks that the two agree), and its tests.
 """
 
-from __future__ import annotations
-
 from typing import Dict, NamedTuple, Optional, Tuple
 
 
