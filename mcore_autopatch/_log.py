@@ -6,6 +6,8 @@ records only reach handlers the application configured itself; a NullHandler kee
 Python's last-resort handler from printing our warnings on its own.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import sys

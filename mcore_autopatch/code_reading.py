@@ -6,6 +6,8 @@ load (``np.product``, ``torch.load``), and which names they mention. Only functi
 names already mention what is looked for are disassembled, so reading a module costs little.
 """
 
+from __future__ import annotations
+
 import dis
 from types import CodeType, ModuleType
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, Tuple
@@ -24,13 +26,13 @@ def defined_functions(module: ModuleType) -> "Iterator[Tuple[str, CodeType]]":
         members = list(vars(value).items()) if isinstance(value, type) else [(None, value)]
         for attr, member in members:
             qualname = value.__name__ if attr is None else "%s.%s" % (value.__name__, attr)
-            for code in _codes_of(member):
+            for code in codes_of(member):
                 if id(code) not in seen:
                     seen.add(id(code))
                     yield qualname, code
 
 
-def _codes_of(obj: Any) -> "Iterator[CodeType]":
+def codes_of(obj: Any) -> "Iterator[CodeType]":
     parts = [getattr(obj, name, None) for name in ("fget", "fset", "fdel")] if isinstance(obj, property) else [obj]
     for part in parts:
         for _ in range(8):  # a decorator chain longer than this is not code we know

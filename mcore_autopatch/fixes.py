@@ -18,37 +18,72 @@ they never raise. ``MCORE_AUTOPATCH_SKIP`` names fixes to leave out (they are st
 reported).
 """
 
+from __future__ import annotations
+
 import importlib
 import os
 import sys
 import weakref
 from types import ModuleType
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mcore_autopatch
 from mcore_autopatch import writers
 from mcore_autopatch._log import logger
+from mcore_autopatch._record import Record
 
 STRATEGIES_TORCH = mcore_autopatch.IMPORTER_MODULE  # one name, in the startup watch list
 SKIP_ENV = "MCORE_AUTOPATCH_SKIP"
 _DC = "megatron.core.dist_checkpointing."
 
 
-class Fix(NamedTuple):
-    name: str  # what it fixes, as status, logs and MCORE_AUTOPATCH_SKIP name it
-    library: str  # the distribution whose modules are watched, as users know it
-    watches: Tuple[str, ...]  # the modules whose execution triggers it
-    reads: str
-    rebinds: str
-    implementation: str  # module with evaluate / apply / is_applied (and maybe before)
-    # Modules that import a watched module at their top: when one executes and the watched
-    # module was loaded without our finder (a finder ahead of ours), the fix is applied then.
-    importers: Tuple[str, ...] = ()
-    # A necessary condition, read without importing the implementation (a function of this
-    # module: the watched module -> None, or why the fix is not needed there), so that a
-    # process pays for a fix's module only where it may act.
-    gate: str = ""
-    acts_while_executing: bool = False  # its implementation has before(module, mode)
+class Fix(Record):
+    """One row of the table.
+
+    ``name``: what it fixes, as status, logs and MCORE_AUTOPATCH_SKIP name it; ``library``:
+    the distribution whose modules are watched, as users know it; ``watches``: the modules
+    whose execution triggers it; ``implementation``: the module with evaluate / apply /
+    is_applied (and ``before`` when ``acts_while_executing``). ``importers``: modules that
+    import a watched module at their top: when one executes and the watched module was
+    loaded without our finder (a finder ahead of ours), the fix is applied then. ``gate``: a
+    necessary condition, read without importing the implementation (a function of this
+    module: the watched module -> None, or why the fix is not needed there), so that a
+    process pays for a fix's module only where it may act.
+    """
+
+    __slots__ = (
+        "acts_while_executing",
+        "gate",
+        "implementation",
+        "importers",
+        "library",
+        "name",
+        "reads",
+        "rebinds",
+        "watches",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        library: str,
+        watches: Tuple[str, ...],
+        reads: str,
+        rebinds: str,
+        implementation: str,
+        importers: Tuple[str, ...] = (),
+        gate: str = "",
+        acts_while_executing: bool = False,
+    ) -> None:
+        self.name = name
+        self.library = library
+        self.watches = watches
+        self.reads = reads
+        self.rebinds = rebinds
+        self.implementation = implementation
+        self.importers = importers
+        self.gate = gate
+        self.acts_while_executing = acts_while_executing
 
     @property
     def key(self) -> str:
@@ -82,6 +117,7 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="torch.distributed.checkpoint.filesystem.dataclasses (module global): replace() then also "
         "carries those attributes over to the new Metadata",
         implementation="mcore_autopatch.metadata_fix",
+        gate="_torch_finish_may_rebuild_the_metadata",
     ),
     Fix(
         name="load_without_mcore_data",
@@ -164,6 +200,28 @@ def _numpy_lacks_a_removed_name(module: ModuleType) -> Optional[str]:
     return None
 
 
+# torch's module whose FileSystemWriter.finish the keep_mcore_data fix reads (and whose
+# ``dataclasses`` global it rebinds); metadata_fix.TORCH_FS_MODULE (a test checks they agree).
+TORCH_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+
+
+def _torch_finish_may_rebuild_the_metadata(module: ModuleType) -> Optional[str]:
+    finish = getattr(getattr(sys.modules.get(TORCH_FILESYSTEM), "FileSystemWriter", None), "finish", None)
+    if finish is None:
+        return None  # the fix says what it cannot read
+    from mcore_autopatch import code_reading
+
+    names: "set[str]" = set()
+    for code in code_reading.codes_of(finish):
+        names.update(code.co_names)
+    if not names or "replace" in names or "Metadata" in names:
+        return None
+    torch = getattr(sys.modules.get("torch"), "__version__", "(unknown version)")
+    return "torch %s's FileSystemWriter.finish updates the Metadata in place: what megatron-core sets on it is kept" % (
+        torch
+    )
+
+
 def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
     planner = vars(module).get("MCoreSavePlanner")
     if isinstance(planner, type) and "_add_non_coordinator_iobytes_request" in vars(planner):
@@ -174,21 +232,45 @@ def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
 def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]:
     if "megatron.core.safe_globals" in sys.modules:
         return "megatron-core registers its own allowlist with torch (megatron.core.safe_globals)"
+    torch = sys.modules.get("torch")
+    # The globals a torch.load can go through: torch itself, or a stand-in of it (ours, from
+    # an earlier execution; told by its class name, so that standin is not imported here).
+    owners = {name for name, value in vars(module).items() if value is torch or type(value).__name__ == "ModuleStandIn"}
+    if torch is None or not owners:
+        return "megatron-core's code here does not hold torch"
     from mcore_autopatch import code_reading
 
     # 0.11+ name weights_only in every function that loads: no bytecode needs reading then.
     for _name, code in code_reading.defined_functions(module):
         names = code_reading.mentions(code)
-        if "load" in names and "weights_only" not in names:
+        if "load" in names and "weights_only" not in names and not owners.isdisjoint(names):
             return None
-    return "megatron-core passes weights_only wherever its code here calls a load"
+    return "megatron-core passes weights_only wherever its code here calls torch's load"
 
 
 def _pkg_resources_may_lack_packaging(module: ModuleType) -> Optional[str]:
     loaded = sys.modules.get("pkg_resources")
     if loaded is not None and hasattr(loaded, "packaging"):
         return "the pkg_resources imported here provides packaging"
+    if not _source_may_name(module, b"pkg_resources"):
+        return "megatron-core's source here never names pkg_resources"
     return None
+
+
+def _source_may_name(module: ModuleType, word: bytes) -> bool:
+    """False only when ``module``'s source file can be read and never contains ``word``.
+
+    Asked before the body runs, when no code object is at hand: a plain read of the file
+    costs less than importing the fix that would read its code. A module without a ``.py``
+    file (sourceless, zipped, built in) may name anything."""
+    path = getattr(getattr(module, "__spec__", None), "origin", None)
+    if not isinstance(path, str) or not path.endswith(".py"):
+        return True
+    try:
+        with open(path, "rb") as source:
+            return word in source.read()
+    except OSError:
+        return True
 
 
 def ruled_out(fix: "Fix", module: ModuleType) -> Optional[str]:

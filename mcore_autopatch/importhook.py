@@ -18,6 +18,8 @@ How it stays out of the way:
 * A callback or cleanup that fails is logged, never raised into the import that triggered it.
 """
 
+from __future__ import annotations
+
 import importlib
 import sys
 from types import ModuleType

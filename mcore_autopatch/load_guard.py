@@ -23,6 +23,8 @@ What is rebound, in that module only:
 Checkpoints that have ``mcore_data`` take megatron-core's path unchanged.
 """
 
+from __future__ import annotations
+
 import copy
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional

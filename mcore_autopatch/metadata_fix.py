@@ -25,13 +25,15 @@ attributes from the old ``Metadata`` to the new one; everything else is the real
 ``Metadata`` with the attributes, no class of ours.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import dis
 import sys
 from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
-from mcore_autopatch import policy, standin
+from mcore_autopatch import policy
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -94,6 +96,10 @@ def read_finish(fs: ModuleType) -> FinishReading:
 
 
 def _is_dataclasses(obj: Any) -> bool:
+    # standin is imported where a torch that rebuilds the Metadata is met (2.9 - 2.11), not at
+    # every watched import.
+    from mcore_autopatch import standin
+
     return standin.real_module(obj) is dataclasses
 
 
@@ -245,6 +251,8 @@ def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bo
     attributes = tuple(dict.fromkeys(kept_attributes(ev.fs) + ev.attributes))
     replace = keeping_replace(dataclasses.replace, ev.metadata_type, attributes)
     why = "replace() keeps %s on torch's Metadata" % ", ".join(attributes)
+    from mcore_autopatch import standin
+
     refused = standin.rebind(namespace, "dataclasses", dataclasses, {"replace": replace}, why)
     if refused:
         where = namespace.get("__name__", "torch's filesystem module")

@@ -18,6 +18,8 @@ ones, which are numpy's own replacement function (``numpy.prod`` for ``product``
 itself, and every other module's view of it, are left as they are.
 """
 
+from __future__ import annotations
+
 import sys
 from types import ModuleType
 from typing import Dict, FrozenSet, Optional, Tuple

@@ -22,6 +22,8 @@ whether its code imports it), and whether the installed setuptools provides it w
 ``packaging`` (read from ``pkg_resources``' own code, never by importing it).
 """
 
+from __future__ import annotations
+
 import importlib.util
 import os
 import sys

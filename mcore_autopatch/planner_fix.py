@@ -18,6 +18,8 @@ say so: that method of megatron-core's class, to one that calls it only when the
 a request for one of the rank's objects, so each object is planned once, as on torch 2.3.
 """
 
+from __future__ import annotations
+
 import io
 import sys
 from types import ModuleType

@@ -19,12 +19,15 @@ Anything unrecognised means "do not patch" with a reason, because a guess could 
 what gets written.
 """
 
+from __future__ import annotations
+
 import inspect
 import re
 import sys
 from types import CodeType, ModuleType
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from mcore_autopatch._record import Record
 from mcore_autopatch.writers import MEGATRON_CORE, KnownWriter
 
 LEGACY_PARAMS = ("stream", "data", "write_item", "storage_key")
@@ -32,16 +35,40 @@ FORMAT_PARAM = "serialization_format"
 TORCH_27_FLAG = "safe_tensors"
 
 
-class WriteItemSignature(NamedTuple):
-    """What torch's ``_write_item`` needs beyond the four legacy arguments."""
+class WriteItemSignature(Record):
+    """What torch's ``_write_item`` needs beyond the four legacy arguments.
 
-    text: str
-    takes_transforms: bool = False
-    format_index: Optional[int] = None  # positional index; None when keyword-only or absent
-    has_format: bool = False
-    format_required: bool = False
-    format_default: Any = None
-    problem: Optional[str] = None  # set when the signature is not one we know how to serve
+    ``format_index`` is the positional index of ``serialization_format`` (None when it is
+    keyword-only or absent); ``problem`` is set when the signature is not one we know how
+    to serve."""
+
+    __slots__ = (
+        "format_default",
+        "format_index",
+        "format_required",
+        "has_format",
+        "problem",
+        "takes_transforms",
+        "text",
+    )
+
+    def __init__(
+        self,
+        text: str,
+        takes_transforms: bool = False,
+        format_index: Optional[int] = None,
+        has_format: bool = False,
+        format_required: bool = False,
+        format_default: Any = None,
+        problem: Optional[str] = None,
+    ) -> None:
+        self.text = text
+        self.takes_transforms = takes_transforms
+        self.format_index = format_index
+        self.has_format = has_format
+        self.format_required = format_required
+        self.format_default = format_default
+        self.problem = problem
 
     @property
     def generation(self) -> str:
@@ -134,10 +161,15 @@ def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
         return None
 
 
-class WriterVersion(NamedTuple):
-    version: Optional[str]
-    release: Optional[Tuple[int, ...]]
-    source: str  # "metadata", "package_info", or why neither worked
+class WriterVersion(Record):
+    """``source``: "metadata", "package_info", or why neither worked."""
+
+    __slots__ = ("release", "source", "version")
+
+    def __init__(self, version: Optional[str], release: Optional[Tuple[int, ...]], source: str) -> None:
+        self.version = version
+        self.release = release
+        self.source = source
 
     @property
     def known(self) -> bool:
@@ -151,7 +183,7 @@ _versions: "dict[str, tuple[Any, Any, WriterVersion, bool]]" = {}
 
 
 def megatron_core_label() -> str:
-    """"megatron-core 0.12.1": how every fix names the release in its reasons."""
+    """ "megatron-core 0.12.1": how every fix names the release in its reasons."""
     return "megatron-core %s" % (writer_version(MEGATRON_CORE).version or "(unknown version)")
 
 
@@ -243,7 +275,8 @@ def _version_header(dist: Any) -> Optional[str]:
     """
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
     if text:
-        for line in text.splitlines():
+        headers = text.partition("\n\n")[0]  # not the long description's lines (read as text: "\n" only)
+        for line in headers.splitlines():
             if not line.strip():
                 break  # end of the headers
             if line.startswith("Version:"):
@@ -269,7 +302,10 @@ def _holds_loaded_code(dist: Any, module_name: str) -> bool:
             relative += os.path.splitext(name)[1]
         try:
             candidate = os.fspath(dist.locate_file(relative))
-            return os.path.realpath(candidate) == os.path.realpath(loaded)
+            # The same file (two stats; realpath would lstat every folder of both paths).
+            return os.path.samefile(candidate, loaded)
+        except FileNotFoundError:
+            return False  # the distribution lists a file that is not there: another copy
         except Exception:
             return True
     return True  # nothing imported to compare with
@@ -292,17 +328,22 @@ def _from_package_info(module_name: Optional[str]) -> Optional[str]:
 FORMAT_NAMES = frozenset((FORMAT_PARAM, "SerializationFormat"))
 
 
-class CallEvidence(NamedTuple):
+class CallEvidence(Record):
     """What the writer module's code shows of its ``_write_item`` calls.
 
     Read from the code objects of the module's functions and methods (no file is read): a
     function calls ``_write_item`` when the name is among the names its code loads, and it
     passes ``serialization_format`` when its code names the argument or torch's enum
     (megatron-core 0.13 and nvidia-resiliency-ext 0.4 build the keyword from the string).
+    ``callers``: the qualified names of the functions that call ``_write_item``;
+    ``without_format``: those of them whose code never names the format.
     """
 
-    callers: Tuple[str, ...] = ()  # qualified names of the functions that call _write_item
-    without_format: Tuple[str, ...] = ()  # those of them whose code never names the format
+    __slots__ = ("callers", "without_format")
+
+    def __init__(self, callers: Tuple[str, ...] = (), without_format: Tuple[str, ...] = ()) -> None:
+        self.callers = callers
+        self.without_format = without_format
 
     @property
     def passes_format(self) -> Optional[bool]:
@@ -324,80 +365,52 @@ NO_CALL_FOUND = CallEvidence()
 def read_call(module: ModuleType) -> CallEvidence:
     """How the functions defined in ``module`` call ``_write_item``. A module whose members
     cannot be walked gives no evidence (the version alone decides then), never an error."""
-    callers: "list[str]" = []
-    lacking: "list[str]" = []
+    from mcore_autopatch import code_reading
+
+    codes: "dict[str, list[CodeType]]" = {}  # a function and what its decorators wrap, together
     try:
-        for qualname, names in _function_names(module):
-            if "_write_item" not in names:
-                continue
-            callers.append(qualname)
-            if not names & FORMAT_NAMES:
-                lacking.append(qualname)
+        for qualname, code in code_reading.defined_functions(module):
+            codes.setdefault(qualname, []).append(code)
+        callers = [
+            qualname
+            for qualname, chain in codes.items()
+            if any("_write_item" in nested.co_names for code in chain for nested in code_reading.nested(code))
+        ]
+        lacking = [
+            qualname
+            for qualname in callers
+            if FORMAT_NAMES.isdisjoint(name for code in codes[qualname] for name in code_reading.mentions(code))
+        ]
     except Exception:
         return NO_CALL_FOUND
     return CallEvidence(tuple(callers), tuple(lacking))
 
 
-def _function_names(module: ModuleType) -> "Iterator[tuple[str, set[str]]]":
-    """(qualified name, every name its code mentions) for each function the module defines."""
-    home = getattr(module, "__name__", None)
-    seen: "set[int]" = set()
-    for value in list(vars(module).values()):
-        if getattr(value, "__module__", None) != home:
-            continue  # imported from elsewhere (torch's _write_item, or our safe caller)
-        members = list(vars(value).items()) if isinstance(value, type) else [(None, value)]
-        for attr, member in members:
-            qualname = value.__name__ if attr is None else "%s.%s" % (value.__name__, attr)
-            names: "set[str]" = set()
-            for code in _unwrapped_codes(member, seen):
-                _collect_names(code, names)
-            if names:
-                yield qualname, names
-
-
-def _unwrapped_codes(obj: Any, seen: "set[int]") -> "Iterator[CodeType]":
-    """The code of ``obj`` and of what it wraps (staticmethod, ``functools.wraps`` chains)."""
-    for _ in range(8):  # a decorator chain longer than this is not a writer we know
-        function = getattr(obj, "__func__", obj)
-        code = getattr(function, "__code__", None)
-        if isinstance(code, CodeType) and id(code) not in seen:
-            seen.add(id(code))
-            yield code
-        obj = getattr(function, "__wrapped__", None)
-        if obj is None:
-            return
-
-
-def _collect_names(code: CodeType, names: "set[str]") -> None:
-    names.update(code.co_names, code.co_varnames)
-    stack: "list[Any]" = list(code.co_consts)
-    while stack:
-        const = stack.pop()
-        if isinstance(const, str) and const.isidentifier():
-            names.add(const)  # keyword names of a call, dict keys; not docstrings or messages
-        elif isinstance(const, (tuple, frozenset)):
-            stack.extend(const)
-        elif isinstance(const, CodeType):
-            _collect_names(const, names)  # nested functions and comprehensions
-
-
 # --- the decision ----------------------------------------------------------------------
 
 
-class Plan(NamedTuple):
+class Plan(Record):
     """What the safe ``_write_item`` adds to a call that lacks it."""
 
-    add_transforms: bool
-    add_format: bool
+    __slots__ = ("add_format", "add_transforms")
+
+    def __init__(self, add_transforms: bool, add_format: bool) -> None:
+        self.add_transforms = add_transforms
+        self.add_format = add_format
 
 
-class Decision(NamedTuple):
-    needed: Optional[bool]  # None: cannot tell
-    reason: str
-    plan: Optional[Plan] = None  # set when the fix should be applied
-    # For a fix over several modules: which module (and functions) the reason is about, so
-    # that status states one reason once for all the modules it holds for.
-    where: str = ""
+class Decision(Record):
+    """``needed`` is None when it cannot be told; ``plan`` is set when the fix should be
+    applied. ``where``, for a fix over several modules: which module (and functions) the
+    reason is about, so that status states one reason once for all the modules it holds for."""
+
+    __slots__ = ("needed", "plan", "reason", "where")
+
+    def __init__(self, needed: Optional[bool], reason: str, plan: Optional[Plan] = None, where: str = "") -> None:
+        self.needed = needed
+        self.reason = reason
+        self.plan = plan
+        self.where = where
 
 
 def decide(

@@ -7,6 +7,8 @@ module's, looked up at each use, except the few ``overrides``. The real module, 
 other module's view of it, stays exactly as it was.
 """
 
+from __future__ import annotations
+
 from types import ModuleType
 from typing import Any, Dict, Mapping, Optional
 

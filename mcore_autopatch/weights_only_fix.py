@@ -25,6 +25,8 @@ global, to a stand-in that is the real torch for every name but ``load``, which 
 other caller.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 from types import ModuleType

@@ -15,6 +15,8 @@ megatron-core 0.13+ under ``force``) passes through unchanged.
 writer module has executed.
 """
 
+from __future__ import annotations
+
 import sys
 import threading
 from types import ModuleType

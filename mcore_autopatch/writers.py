@@ -8,19 +8,41 @@ for every entry. Adding a writer is one entry here, its row in the table of fixe
 ``mcore_autopatch/__init__.py`` (a test checks that the two agree), and its tests.
 """
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from mcore_autopatch._record import Record
 
 
-class KnownWriter(NamedTuple):
-    name: str  # the distribution as users know it, used in every message
-    module: str  # the module whose ``_write_item`` global is rebound
-    distributions: Tuple[str, ...]  # metadata names the version is read from
-    package_info: Optional[str]  # a module with ``__version__``, for source trees without metadata
-    fixed_in: Tuple[int, ...]  # from this release the writer passes serialization_format itself
-    passes_transforms_from: Tuple[int, ...]  # from this release it passes the writer's transforms
-    # Modules that import ``module`` at their top in every release. When one has executed,
-    # the writer is looked at again, in case a finder ahead of ours loaded it without us.
-    importers: Tuple[str, ...] = ()
+class KnownWriter(Record):
+    """One writer: ``name`` is the distribution as users know it, used in every message;
+    ``module`` the module whose ``_write_item`` global is rebound; ``distributions`` the
+    metadata names its version is read from; ``package_info`` a module with ``__version__``,
+    for source trees without metadata; from ``fixed_in`` it passes serialization_format
+    itself, from ``passes_transforms_from`` the writer's transforms. ``importers`` are the
+    modules that import ``module`` at their top in every release: when one has executed, the
+    writer is looked at again, in case a finder ahead of ours loaded it without us."""
+
+    __slots__ = ("distributions", "fixed_in", "importers", "module", "name", "package_info", "passes_transforms_from")
+
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        distributions: Tuple[str, ...],
+        package_info: Optional[str],
+        fixed_in: Tuple[int, ...],
+        passes_transforms_from: Tuple[int, ...],
+        importers: Tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.distributions = distributions
+        self.package_info = package_info
+        self.fixed_in = fixed_in
+        self.passes_transforms_from = passes_transforms_from
+        self.importers = importers
 
 
 MEGATRON_CORE = KnownWriter(

@@ -423,3 +423,17 @@ def test_guard_is_not_needed_where_megatron_does_not_read_mcore_data():
     module.get_reformulation_metadata = lambda sharded_state_dict, checkpoint_dir: {}
     assert load_guard.evaluate(module, "auto").decision.needed is False
     assert load_guard.apply(module, "auto")[1] is False
+
+
+@pytest.mark.parametrize("kind", ["replacing", "in place", "rebuilding", "without finish"])
+def test_keep_mcore_data_gate_rules_out_only_a_finish_the_fix_would_call_in_place(fake_torch_modules, kind):
+    """fixes.py's gate reads torch's finish by names, without importing metadata_fix; where it
+    rules the fix out, the fix itself says "not needed" too."""
+    assert fixes.TORCH_FILESYSTEM == metadata_fix.TORCH_FS_MODULE
+    fake_torch_modules(kind)
+    gated = fixes._torch_finish_may_rebuild_the_metadata(fake_strategies(FakePlanner))
+    decided = metadata_fix.evaluate(fake_strategies(FakePlanner), "auto").decision.needed
+    if kind == "in place":
+        assert gated is not None and "updates the Metadata in place" in gated and decided is False
+    else:
+        assert gated is None and decided is not False

@@ -398,18 +398,38 @@ def test_gates_know_what_the_implementations_know():
     assert [f.name for f in fixes.FIXES if f.acts_while_executing] == ["pkg_resources_packaging"]
 
 
-def test_weights_only_gate_lets_a_bare_load_through_and_rules_out_a_release_that_names_it():
-    """0.6 - 0.10 (a load without weights_only) go on to the fix; 0.11+ are ruled out by names alone."""
-    old = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=FakeTorch("2.13.0", True))
+def test_weights_only_gate_lets_a_bare_load_through_and_rules_out_a_release_that_names_it(monkeypatch):
+    """0.6 - 0.10 (a load without weights_only) go on to the fix; 0.11+ are ruled out by names alone,
+    and so is a module whose loads never go through torch (0.11+'s serialization.load calls the
+    strategy's load)."""
+    torch = FakeTorch("2.13.0", True)
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    old = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=torch)
     assert fixes._megatron_may_load_without_weights_only(old) is None
     newer = fake_module(
         "megatron.core.dist_checkpointing.strategies.common",
         "def load_common(path):\n    return torch.load(path, weights_only=False)\n",
-        torch=FakeTorch("2.13.0", True),
+        torch=torch,
     )
     assert fixes._megatron_may_load_without_weights_only(newer) == (
-        "megatron-core passes weights_only wherever its code here calls a load"
+        "megatron-core passes weights_only wherever its code here calls torch's load"
     )
+    through_a_strategy = fake_module(
+        "megatron.core.dist_checkpointing.serialization",
+        "def load(strategy, path):\n    return strategy.load(path)\n",
+        torch=torch,
+    )
+    assert fixes._megatron_may_load_without_weights_only(through_a_strategy) == (
+        "megatron-core passes weights_only wherever its code here calls torch's load"
+    )
+    without_torch = fake_module("megatron.core.dist_checkpointing.serialization", "def load(path):\n    pass\n")
+    assert fixes._megatron_may_load_without_weights_only(without_torch) == (
+        "megatron-core's code here does not hold torch"
+    )
+    # Once our stand-in holds torch's place (an earlier execution), the gate still lets it through.
+    weights_only_fix.apply(old, "auto")
+    assert type(old.torch).__name__ == "ModuleStandIn"
+    assert fixes._megatron_may_load_without_weights_only(old) is None
 
 
 def test_a_gated_fix_is_not_imported_where_it_cannot_act(monkeypatch):
@@ -427,3 +447,32 @@ def test_a_gated_fix_is_not_imported_where_it_cannot_act(monkeypatch):
         "applied": False,
         "reason": "numpy 1.26.4 has every name numpy 2 removed (in dist_checkpointing.validation)",
     }
+
+
+def test_pkg_resources_gate_reads_the_source_before_the_body_runs(tmp_path, monkeypatch):
+    """A module whose source never names pkg_resources is ruled out without importing the fix;
+    one that names it, or whose source cannot be read, goes on to the window."""
+    import importlib.util
+    import sys
+
+    monkeypatch.delitem(sys.modules, "pkg_resources", raising=False)
+
+    def unexecuted(source: str, name: str = "random.py") -> types.ModuleType:
+        path = tmp_path / name
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("megatron.core.tensor_parallel.random", path)
+        return importlib.util.module_from_spec(spec)  # as the hook's before-callback sees it
+
+    gate = fixes._pkg_resources_may_lack_packaging
+    assert gate(unexecuted("from pkg_resources import packaging\n")) is None
+    assert gate(unexecuted("import torch\n", "newer.py")) == "megatron-core's source here never names pkg_resources"
+    assert gate(types.ModuleType("megatron.core.tensor_parallel.random")) is None  # no file to read
+    gone = unexecuted("import torch\n", "gone.py")
+    (tmp_path / "gone.py").unlink()
+    assert gate(gone) is None
+    with_packaging = types.ModuleType("FAKE pkg_resources")
+    with_packaging.packaging = object()
+    monkeypatch.setitem(sys.modules, "pkg_resources", with_packaging)
+    assert gate(unexecuted("from pkg_resources import packaging\n")) == (
+        "the pkg_resources imported here provides packaging"
+    )
