@@ -1,9 +1,9 @@
 """Time to fix: what the hook adds to the import of megatron-core's writer module.
 
 In a process of the venv with the wheel where ``MCORE_AUTOPATCH=0`` kept the finder off,
-torch and megatron-core 0.12.1's checkpointing are imported; then the writer module is
-executed once more without our finder and once with it (our submodules not yet imported,
-as in a real job). The difference is the time to fix: our first imports, the spec lookup
+torch and megatron-core 0.12.1's checkpointing are imported; then the watched modules are
+executed once more without our finder (twice before and twice after) and once with it (our
+submodules not yet imported, as in a real job). The difference is the time to fix: our first imports, the spec lookup
 behind our finder, the loader wrapper, the policy (metadata lookup, signature read) and the
 rebinding. A second kind of process does the same work step by step, each step cold, for
 the breakdown (under ``-X importtime``, for the self time of each of our modules). The two
@@ -57,8 +57,9 @@ def run(e: BenchEnvs, quick: bool) -> List[Row]:
             "%.2f ms" % total,
             "<= %.0f ms" % FIX_BUDGET_MS,
             total <= FIX_BUDGET_MS,
-            "in-process: writer module executed without, then with our finder (our modules cold, torch and "
-            "megatron warm); median of per-process differences (%s); plain writer exec %.2f ms; "
+            "in-process: the watched modules executed without our finder twice, with it once (our modules cold, "
+            "torch and megatron warm), without it twice more, each from a collected heap; the hooked run minus "
+            "the median plain run, median over processes (%s); plain exec %.2f ms; "
             "modules newly imported besides ours: %s"
             % (spread(extra), median([r["plain_ms"] for r in runs["total"]]), ", ".join(stdlib) or "none"),
             samples=runs,

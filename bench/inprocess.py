@@ -12,6 +12,7 @@ Each prints one JSON line. Standard library only at the top: torch, megatron-cor
 PYTHONPATH) and mcore_autopatch (installed in the venv) are imported where measured.
 """
 
+import gc
 import importlib
 import json
 import os
@@ -142,7 +143,10 @@ def fix_total() -> None:
     """Execute every watched module of megatron-core that a job's checkpoint path has imported
     once more without our finder, then once with it: the difference is what the hook adds to
     those imports (our first imports, the spec lookups behind us, the loader wrappers, every
-    fix's reading and decision before and after each body, and the rebindings)."""
+    fix's reading and decision before and after each body, and the rebindings). The plain
+    execution is timed twice before and twice after the hooked one (our finder removed), and
+    their median is the baseline: one plain run of ~10 ms varies by more than the difference
+    on a shared 2-core machine, and runs on both sides cancel a drift."""
     _load_unpatched()
     import mcore_autopatch
 
@@ -152,16 +156,21 @@ def fix_total() -> None:
     def execute() -> float:
         for name in watched:
             del sys.modules[name]
+        # Both executions start from a collected heap: a full collection over torch's
+        # millions of objects (tens of ms), due at some allocation since startup, would
+        # otherwise land at random in one of the two and swamp the difference.
+        gc.collect()
         t0 = time.perf_counter()
         for name in watched:  # some import others at their top; each runs once
             importlib.import_module(name)
         return time.perf_counter() - t0
 
-    plain_s = execute()
+    plain = [execute(), execute()]
     assert not getattr(sys.modules[WRITER]._write_item, MARK, False)
     # What activate() does at startup (activate itself would run the callbacks for the
     # already-imported package now, importing our modules before the timed import).
-    sys.meta_path.insert(0, mcore_autopatch._Finder(dict(mcore_autopatch._WATCHED), "bench"))
+    finder = mcore_autopatch._Finder(dict(mcore_autopatch._WATCHED), "bench")
+    sys.meta_path.insert(0, finder)
     before = set(sys.modules)
     hooked_s = execute()
     if not getattr(sys.modules[WRITER]._write_item, MARK, False):
@@ -170,9 +179,12 @@ def fix_total() -> None:
 
     decisions = {fix.name: fixes.last_decision(fix) for fix in fixes.FIXES if fix.library == "megatron-core"}
     new = sorted(set(sys.modules) - before - {WRITER, STRATEGIES})
+    sys.meta_path.remove(finder)
+    plain += [execute(), execute()]
     emit(
         {
-            "plain_ms": plain_s * 1e3,
+            "plain_ms": statistics.median(plain) * 1e3,
+            "plain_runs_ms": [s * 1e3 for s in plain],
             "hooked_ms": hooked_s * 1e3,
             "new_modules": new,
             "decisions": decisions,
@@ -189,6 +201,7 @@ def fix_breakdown() -> None:
 
     def step(name: str, fn: Callable[[], Any]) -> Any:
         before = set(sys.modules)
+        gc.collect()  # as in fix_total
         t0 = time.perf_counter()
         value = fn()
         steps[name] = (time.perf_counter() - t0) * 1e3

@@ -197,6 +197,9 @@ def _numpy_lacks_a_removed_name(module: ModuleType) -> Optional[str]:
     numpy = sys.modules.get("numpy")
     if numpy is not None and all(hasattr(numpy, name) for name in REMOVED_BY_NUMPY_2):
         return "numpy %s has every name numpy 2 removed" % getattr(numpy, "__version__", "?")
+    # "product" is in "cumproduct" too.
+    if not _source_may_name(module, b"product", b"alltrue", b"sometrue"):
+        return "megatron-core's source here never names what numpy 2 removed"
     return None
 
 
@@ -257,20 +260,22 @@ def _pkg_resources_may_lack_packaging(module: ModuleType) -> Optional[str]:
     return None
 
 
-def _source_may_name(module: ModuleType, word: bytes) -> bool:
-    """False only when ``module``'s source file can be read and never contains ``word``.
+def _source_may_name(module: ModuleType, *words: bytes) -> bool:
+    """False only when ``module``'s source file can be read and contains none of ``words``.
 
-    Asked before the body runs, when no code object is at hand: a plain read of the file
-    costs less than importing the fix that would read its code. A module without a ``.py``
-    file (sourceless, zipped, built in) may name anything."""
+    A necessary condition, cheaper than reading the code: a plain read of the file costs
+    less than importing the fix that would read its code objects, and it works before the
+    body runs, when there are none. A module without a ``.py`` file (sourceless, zipped,
+    built in) may name anything."""
     path = getattr(getattr(module, "__spec__", None), "origin", None)
     if not isinstance(path, str) or not path.endswith(".py"):
         return True
     try:
         with open(path, "rb") as source:
-            return word in source.read()
+            text = source.read()
     except OSError:
         return True
+    return any(word in text for word in words)
 
 
 def ruled_out(fix: "Fix", module: ModuleType) -> Optional[str]:

@@ -201,3 +201,47 @@ def test_attribute_stores_are_read_from_bytecode_on_every_minor(other_python):
     proc = run_python(other_python, ["-c", ATTRIBUTE_STORES], clean_env())
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [["mcore_data"], ["all_local_plans"], []]
+
+
+# code_reading's raw bytecode reading of `<global>.<attribute>` loads, against dis, over every
+# function of a few standard library modules (thousands of code objects on each minor).
+ATTRIBUTE_LOADS = r"""
+import argparse, dis, email.message, inspect, json, logging, os, subprocess, tarfile, typing
+from mcore_autopatch import code_reading
+
+
+def with_dis(code, owners, wanted):  # the reference: dis's own instruction objects
+    found, previous = set(), None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("CACHE", "EXTENDED_ARG"):
+            continue
+        if (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval in wanted
+                and previous is not None and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                and previous.argval in owners):
+            found.add(instruction.argval)
+        previous = instruction
+    return found
+
+
+codes = []
+for module in (argparse, email.message, inspect, json, logging, os, subprocess, tarfile, typing):
+    for _name, code in code_reading.defined_functions(module):
+        codes.extend(code_reading.nested(code))
+    codes.append(compile(inspect.getsource(module), module.__file__, "exec"))  # module level: LOAD_NAME
+found = differ = 0
+for code in codes:
+    names = frozenset(code.co_names)
+    raw = code_reading._attributes_loaded_raw(code, names, names)
+    found += len(raw)
+    differ += raw != with_dis(code, names, names)
+print(json.dumps({"codes": len(codes), "found": found, "differ": differ, "raw": code_reading._RAW_BYTECODE_KNOWN}))
+"""
+
+
+def test_attribute_loads_read_from_raw_bytecode_agree_with_dis_on_every_minor(other_python):
+    proc = run_python(other_python, ["-c", ATTRIBUTE_LOADS], clean_env())
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["raw"] is True
+    assert result["codes"] > 800 and result["found"] > 200, result
+    assert result["differ"] == 0, result

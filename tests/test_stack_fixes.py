@@ -476,3 +476,56 @@ def test_pkg_resources_gate_reads_the_source_before_the_body_runs(tmp_path, monk
     assert gate(unexecuted("from pkg_resources import packaging\n")) == (
         "the pkg_resources imported here provides packaging"
     )
+
+
+def test_attribute_loads_read_from_raw_bytecode_agree_with_dis_on_this_python():
+    """The other minors run the same script in tests/test_other_pythons.py."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_other_pythons import ATTRIBUTE_LOADS
+
+    proc = subprocess.run(
+        [sys.executable, "-c", ATTRIBUTE_LOADS], capture_output=True, text=True, env={"PYTHONPATH": ROOT}, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["raw"] is True and result["codes"] > 800 and result["found"] > 200
+    assert result["differ"] == 0, result
+
+
+def test_defined_functions_passes_over_instances_the_module_defines():
+    """An enum member (or any instance whose class is the module's) has a __module__ but no
+    __name__: it is not code, and reading the module must not stop there."""
+    module = fake_module(
+        "megatron.core.dist_checkpointing.fake_enums",
+        "import enum\nclass Kind(enum.Enum):\n    A = 1\nDEFAULT = Kind.A\ndef load_it(path):\n    return path\n",
+    )
+    names = [name for name, _code in code_reading.defined_functions(module)]
+    assert "load_it" in names and not any(name.startswith("DEFAULT") for name in names)
+
+
+@pytest.mark.parametrize(
+    "source,ruled_out",
+    [
+        ("import numpy as np\ndef size(shape):\n    return np.product(shape)\n", False),
+        ("import numpy as np\ndef every(flags):\n    return np.alltrue(flags)\n", False),
+        ("import numpy as np\ndef size(shape):\n    return np.prod(shape)\n", True),  # 0.12.1's serialization
+    ],
+    ids=["product", "alltrue", "none-named"],
+)
+def test_numpy_gate_on_numpy_2_reads_the_source_for_the_removed_names(tmp_path, monkeypatch, source, ruled_out):
+    import importlib.util
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numpy", fake_numpy("2.4.6", has_product=False))
+    path = tmp_path / "validation.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("megatron.core.dist_checkpointing.validation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gated = fixes._numpy_lacks_a_removed_name(module)
+    assert (gated == "megatron-core's source here never names what numpy 2 removed") is ruled_out
+    assert ruled_out or gated is None
