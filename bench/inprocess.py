@@ -209,32 +209,33 @@ def fix_breakdown() -> None:
         return value
 
     def import_ours() -> Any:
-        from mcore_autopatch import importhook, writer_fix  # what the finder and the callback import
+        from mcore_autopatch import importhook  # what the finder and the callback import
+        from mcore_autopatch.fixes import write_item
+        from mcore_autopatch.shared import versions
 
-        return importhook, writer_fix
+        return importhook, write_item, versions
 
-    _, writer_fix = step("import our modules", import_ours)
-    policy = writer_fix.policy
-    fs = writer_fix.torch_filesystem()
+    _, write_item, versions = step("import our modules", import_ours)
+    fs = write_item.torch_filesystem()
     original = fs._write_item
-    known = writer_fix.writers.MEGATRON_CORE
-    version = step("megatron-core version (metadata)", lambda: policy.writer_version(known))
+    known = write_item.writers.MEGATRON_CORE
+    version = step("megatron-core version (metadata)", lambda: versions.writer_version(known))
     if version.version != "0.12.1" or version.source != "metadata":
         raise SystemExit("unexpected megatron-core version reading: %r" % (version,))
-    signature = step("torch signature", lambda: policy.read_signature(original))
-    call = step("writer's own call (its code objects)", lambda: policy.read_call(writer))
+    signature = step("torch signature", lambda: write_item.read_signature(original))
+    call = step("writer's own call (its code objects)", lambda: write_item.read_call(writer))
     decision = step(
         "decision",
-        lambda: policy.decide(
-            "auto", version, signature, writer_fix.torch_version(), writer_fix.torch_has(fs), call=call
+        lambda: write_item.decide(
+            "auto", version, signature, write_item.torch_version(), write_item.torch_has(fs), call=call
         ),
     )
     if decision.plan is None:
         raise SystemExit("no plan: %s" % decision.reason)
 
     def rebind() -> None:
-        safe = writer_fix.make_safe_write_item(
-            original, decision.plan, signature, fs._StorageWriterTransforms, writer_fix.torch_save_member(fs)
+        safe = write_item.make_safe_write_item(
+            original, decision.plan, signature, fs._StorageWriterTransforms, write_item.torch_save_member(fs)
         )
         writer._write_item = safe
 
@@ -244,16 +245,16 @@ def fix_breakdown() -> None:
     strategies = sys.modules[STRATEGIES]
 
     def import_metadata_fixes() -> Any:
-        from mcore_autopatch import load_guard, metadata_fix
+        from mcore_autopatch.fixes import keep_mcore_data, load_without_mcore_data
 
-        return metadata_fix, load_guard
+        return keep_mcore_data, load_without_mcore_data
 
-    metadata_fix, load_guard = step("import the mcore_data fixes' modules", import_metadata_fixes)
+    keep_mcore_data, load_without_mcore_data = step("import the mcore_data fixes' modules", import_metadata_fixes)
     step(
         "keep_mcore_data: read torch's finish + megatron's stores, decide",
-        lambda: metadata_fix.evaluate(strategies, "auto"),
+        lambda: keep_mcore_data.evaluate(strategies, "auto"),
     )
-    step("load guard: read megatron's loader, decide", lambda: load_guard.evaluate(strategies, "auto"))
+    step("load guard: read megatron's loader, decide", lambda: load_without_mcore_data.evaluate(strategies, "auto"))
     from mcore_autopatch import fixes
 
     step("on_module_executed, warm", lambda: fixes.on_module_executed(writer))
@@ -281,7 +282,7 @@ def per_item(rounds: int, count: int) -> None:
     if not getattr(safe, MARK, False):
         raise SystemExit("the writer's _write_item is not mcore_autopatch's")
     original = safe.__wrapped__
-    from mcore_autopatch import policy, writer_fix
+    from mcore_autopatch.fixes import write_item
 
     torch_save = fs.SerializationFormat.TORCH_SAVE
     transforms = fs._StorageWriterTransforms()
@@ -290,19 +291,19 @@ def per_item(rounds: int, count: int) -> None:
     pairs = list(zip(datas, items))
     stream = io.BytesIO()
     # megatron-core 0.9-0.11 call shape: the wrapper adds transforms and the format.
-    signature = policy.read_signature(original)
-    legacy = writer_fix.make_safe_write_item(
-        original, policy.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
+    signature = write_item.read_signature(original)
+    legacy = write_item.make_safe_write_item(
+        original, write_item.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
     )
 
     def noop(transforms: Any, stream: Any, data: Any, write_item: Any, storage_key: Any, serialization_format: Any):
         return None
 
-    safe_noop = writer_fix.make_safe_write_item(
-        noop, policy.Plan(False, True), signature, fs._StorageWriterTransforms, torch_save
+    safe_noop = write_item.make_safe_write_item(
+        noop, write_item.Plan(False, True), signature, fs._StorageWriterTransforms, torch_save
     )
-    legacy_noop = writer_fix.make_safe_write_item(
-        noop, policy.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
+    legacy_noop = write_item.make_safe_write_item(
+        noop, write_item.Plan(True, True), signature, fs._StorageWriterTransforms, torch_save
     )
 
     def timed(body: Callable[[], None]) -> Callable[[], float]:

@@ -159,6 +159,6 @@ def status(import_writer: bool = False) -> "dict[str, object]":
     applied, reason``. With ``import_writer`` the writer module is imported first (through
     the normal import system, so the hook fires if it is active) to decide ``needed``.
     """
-    from mcore_autopatch import report
+    from mcore_autopatch.cli import report
 
     return report.status(import_writer=import_writer)

@@ -25,7 +25,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Tuple
 
-from mcore_autopatch._log import logger
+from mcore_autopatch.shared.log import logger
 
 Hooks = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (before, after) callback names
 

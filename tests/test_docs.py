@@ -130,7 +130,7 @@ def listed_paths(block: str) -> List[str]:
 
 
 def known_errors() -> List[str]:
-    from mcore_autopatch import load_guard
+    from mcore_autopatch.fixes import load_without_mcore_data
 
     return [
         "RuntimeError: Worker failure: " + MISSING_FORMAT,
@@ -139,7 +139,8 @@ def known_errors() -> List[str]:
         "RuntimeError: Incomplete worker results (expected 1, got 0. This probably indicates a worker failure.",
         "AttributeError: " + MISSING_MCORE_DATA,
         "CheckpointingException: %s. … tensor(s) are loaded here with another layout than they were saved with, "
-        "and their original shapes cannot be proved from the checkpoint: …" % load_guard.cause(CHECKPOINT_PLACEHOLDER),
+        "and their original shapes cannot be proved from the checkpoint: …"
+        % load_without_mcore_data.cause(CHECKPOINT_PLACEHOLDER),
         "FAIL: fix needed but not active in this interpreter: …",
         PRODUCT,
         "_pickle.UnpicklingError: Weights only load failed. … Unsupported global: GLOBAL argparse.Namespace was not an "
@@ -280,10 +281,11 @@ def test_chinese_quick_start_names_the_same_commands_variables_and_errors():
 
 def test_documented_variables_and_values_are_the_codes():
     import mcore_autopatch
-    from mcore_autopatch import _log, fixes
+    from mcore_autopatch import fixes
+    from mcore_autopatch.shared import log
 
     for page in ("README.md", "README.zh-CN.md"):
         text = page_text(page)
-        assert set(re.findall(r"\bMCORE_AUTOPATCH\w*", text)) == {"MCORE_AUTOPATCH", _log.LOG_ENV, fixes.SKIP_ENV}
-        for word in (*mcore_autopatch._OFF_WORDS, "auto", "force", *_log.LEVELS):
+        assert set(re.findall(r"\bMCORE_AUTOPATCH\w*", text)) == {"MCORE_AUTOPATCH", log.LOG_ENV, fixes.SKIP_ENV}
+        for word in (*mcore_autopatch._OFF_WORDS, "auto", "force", *log.LEVELS):
             assert "`%s`" % word in text, (page, word)

@@ -1,4 +1,4 @@
-"""Unit tests of the mcore_data fixes (metadata_fix, load_guard, checkpoint_metadata), on fakes.
+"""Unit tests of the mcore_data fixes (keep_mcore_data, load_without_mcore_data, shared/checkpoint_metadata), on fakes.
 
 The real releases are tested end to end in tests/test_e2e_job_path.py. Here, FAKE torch and
 megatron modules (named so) stand in for shapes of code no release has, and for the cases
@@ -14,8 +14,10 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from mcore_autopatch import checkpoint_metadata as cm
-from mcore_autopatch import fixes, load_guard, metadata_fix, standin
+from mcore_autopatch import fixes
+from mcore_autopatch.fixes import keep_mcore_data, load_without_mcore_data
+from mcore_autopatch.shared import checkpoint_metadata as cm
+from mcore_autopatch.shared import standin
 
 # --- FAKE torch: a Metadata dataclass and two generations of FileSystemWriter.finish ---------
 
@@ -68,7 +70,7 @@ class FileSystemWriter:
 
 def fake_fs(kind: str) -> types.ModuleType:
     """A FAKE torch.distributed.checkpoint.filesystem of one kind."""
-    module = types.ModuleType(metadata_fix.TORCH_FS_MODULE, "FAKE torch filesystem module (%s)" % kind)
+    module = types.ModuleType(keep_mcore_data.TORCH_FS_MODULE, "FAKE torch filesystem module (%s)" % kind)
     vars(module).update(dataclasses=dataclasses, Metadata=FakeMetadata)
     exec(compile(FAKE_WRITERS[kind], "<FAKE torch filesystem: %s>" % kind, "exec"), vars(module))
     return module
@@ -76,20 +78,20 @@ def fake_fs(kind: str) -> types.ModuleType:
 
 def test_read_finish_tells_the_three_kinds_of_finish_apart():
     replacing = fake_fs("replacing")
-    assert metadata_fix.read_finish(replacing).drops is True
-    assert metadata_fix.read_finish(replacing).target == "dataclasses"
-    assert metadata_fix.read_finish(replacing).namespace is vars(replacing)
-    assert metadata_fix.read_finish(fake_fs("in place")).drops is False
-    unknown = metadata_fix.read_finish(fake_fs("rebuilding"))
+    assert keep_mcore_data.read_finish(replacing).drops is True
+    assert keep_mcore_data.read_finish(replacing).target == "dataclasses"
+    assert keep_mcore_data.read_finish(replacing).namespace is vars(replacing)
+    assert keep_mcore_data.read_finish(fake_fs("in place")).drops is False
+    unknown = keep_mcore_data.read_finish(fake_fs("rebuilding"))
     assert unknown.drops is None and "does not know" in unknown.text
 
 
 def test_read_finish_of_a_writer_without_finish_cannot_tell():
-    assert metadata_fix.read_finish(fake_fs("without finish")).drops is None
+    assert keep_mcore_data.read_finish(fake_fs("without finish")).drops is None
 
 
 def test_keeping_replace_carries_only_the_named_attributes_of_a_metadata():
-    replace = metadata_fix.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data", "all_local_plans"))
+    replace = keep_mcore_data.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data", "all_local_plans"))
     old = FakeMetadata({"w": 1})
     old.mcore_data = {"w": {}}  # type: ignore[attr-defined]
     old.all_local_plans = ["plan"]  # type: ignore[attr-defined]
@@ -102,20 +104,20 @@ def test_keeping_replace_carries_only_the_named_attributes_of_a_metadata():
 
 
 def test_keeping_replace_leaves_other_dataclasses_exactly_as_the_real_replace():
-    replace = metadata_fix.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data",))
+    replace = keep_mcore_data.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data",))
     plan = FakeSavePlan(items=[1])
     assert replace(plan, storage_data="x") == dataclasses.replace(plan, storage_data="x")
 
 
 def test_stand_in_for_dataclasses_is_the_real_module_but_for_replace():
-    replace = metadata_fix.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data",))
+    replace = keep_mcore_data.keeping_replace(dataclasses.replace, FakeMetadata, ("mcore_data",))
     namespace = {"dataclasses": dataclasses}
     assert standin.rebind(namespace, "dataclasses", dataclasses, {"replace": replace}, "keeps mcore_data") is None
     stand_in = namespace["dataclasses"]
     assert stand_in.fields is dataclasses.fields and stand_in.dataclass is dataclasses.dataclass
     assert stand_in.replace is replace and stand_in.replace is not dataclasses.replace
     assert "mcore_data" in repr(stand_in) and "dataclasses" in repr(stand_in)
-    assert metadata_fix._is_dataclasses(stand_in)
+    assert keep_mcore_data._is_dataclasses(stand_in)
 
 
 class FakePlanner:  # FAKE megatron-core 0.8-0.14 MCoreSavePlanner
@@ -138,9 +140,9 @@ def fake_strategies(planner: type) -> types.ModuleType:
 
 
 def test_megatron_attributes_are_read_from_the_planners_attribute_stores(monkeypatch):
-    monkeypatch.delitem(sys.modules, metadata_fix.SAVER_MODULE, raising=False)
-    assert metadata_fix.megatron_attributes(fake_strategies(FakePlanner), FakeMetadata) == ("mcore_data",)
-    assert metadata_fix.megatron_attributes(fake_strategies(FakePlannerDeclaring), FakeMetadata) == ()
+    monkeypatch.delitem(sys.modules, keep_mcore_data.SAVER_MODULE, raising=False)
+    assert keep_mcore_data.megatron_attributes(fake_strategies(FakePlanner), FakeMetadata) == ("mcore_data",)
+    assert keep_mcore_data.megatron_attributes(fake_strategies(FakePlannerDeclaring), FakeMetadata) == ()
 
 
 def test_an_attribute_torch_declares_is_not_carried(monkeypatch):
@@ -148,8 +150,8 @@ def test_an_attribute_torch_declares_is_not_carried(monkeypatch):
     class FakeMetadataDeclaringIt(FakeMetadata):  # FAKE: a torch whose Metadata has the field
         mcore_data: Any = None
 
-    monkeypatch.delitem(sys.modules, metadata_fix.SAVER_MODULE, raising=False)
-    assert metadata_fix.megatron_attributes(fake_strategies(FakePlanner), FakeMetadataDeclaringIt) == ()
+    monkeypatch.delitem(sys.modules, keep_mcore_data.SAVER_MODULE, raising=False)
+    assert keep_mcore_data.megatron_attributes(fake_strategies(FakePlanner), FakeMetadataDeclaringIt) == ()
 
 
 @pytest.fixture
@@ -158,11 +160,11 @@ def fake_torch_modules(monkeypatch):
 
     def install(kind: str) -> types.ModuleType:
         fs = fake_fs(kind)
-        metadata_module = types.ModuleType(metadata_fix.TORCH_METADATA_MODULE, "FAKE torch metadata module")
+        metadata_module = types.ModuleType(keep_mcore_data.TORCH_METADATA_MODULE, "FAKE torch metadata module")
         metadata_module.Metadata = FakeMetadata  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, metadata_fix.TORCH_FS_MODULE, fs)
-        monkeypatch.setitem(sys.modules, metadata_fix.TORCH_METADATA_MODULE, metadata_module)
-        monkeypatch.delitem(sys.modules, metadata_fix.SAVER_MODULE, raising=False)
+        monkeypatch.setitem(sys.modules, keep_mcore_data.TORCH_FS_MODULE, fs)
+        monkeypatch.setitem(sys.modules, keep_mcore_data.TORCH_METADATA_MODULE, metadata_module)
+        monkeypatch.delitem(sys.modules, keep_mcore_data.SAVER_MODULE, raising=False)
         return fs
 
     return install
@@ -171,10 +173,10 @@ def fake_torch_modules(monkeypatch):
 def test_apply_rebinds_once_and_the_finish_keeps_mcore_data(fake_torch_modules):
     fs = fake_torch_modules("replacing")
     strategies = fake_strategies(FakePlanner)
-    decision, applied = metadata_fix.apply(strategies, "auto")
+    decision, applied = keep_mcore_data.apply(strategies, "auto")
     assert decision.needed is True and applied is True
     stand_in = fs.dataclasses
-    assert metadata_fix.apply(strategies, "auto") == (decision, True)
+    assert keep_mcore_data.apply(strategies, "auto") == (decision, True)
     assert fs.dataclasses is stand_in  # never wrapped twice
     metadata = FakeMetadata({"w": 1})
     metadata.mcore_data = {"w": {"nd_reformulated_orig_global_shape": (8, 6)}}  # type: ignore[attr-defined]
@@ -184,21 +186,21 @@ def test_apply_rebinds_once_and_the_finish_keeps_mcore_data(fake_torch_modules):
 
 def test_apply_leaves_a_torch_that_keeps_the_attributes_alone(fake_torch_modules):
     fs = fake_torch_modules("in place")
-    decision, applied = metadata_fix.apply(fake_strategies(FakePlanner), "auto")
+    decision, applied = keep_mcore_data.apply(fake_strategies(FakePlanner), "auto")
     assert decision.needed is False and applied is False
     assert fs.dataclasses is dataclasses
 
 
 def test_apply_leaves_a_megatron_without_undeclared_attributes_alone(fake_torch_modules):
     fs = fake_torch_modules("replacing")
-    decision, applied = metadata_fix.apply(fake_strategies(FakePlannerDeclaring), "auto")
+    decision, applied = keep_mcore_data.apply(fake_strategies(FakePlannerDeclaring), "auto")
     assert (decision.needed, applied) == (False, False)
     assert fs.dataclasses is dataclasses
 
 
 def test_apply_does_not_patch_an_unknown_finish(fake_torch_modules):
     fs = fake_torch_modules("rebuilding")
-    decision, applied = metadata_fix.apply(fake_strategies(FakePlanner), "auto")
+    decision, applied = keep_mcore_data.apply(fake_strategies(FakePlanner), "auto")
     assert decision.needed is None and applied is False and "not patching" in decision.reason
     assert fs.dataclasses is dataclasses
 
@@ -207,7 +209,7 @@ def test_apply_leaves_a_dataclasses_global_someone_else_replaced(fake_torch_modu
     fs = fake_torch_modules("replacing")
     foreign = types.SimpleNamespace(replace=dataclasses.replace)
     fs.dataclasses = foreign
-    decision, applied = metadata_fix.apply(fake_strategies(FakePlanner), "auto")
+    decision, applied = keep_mcore_data.apply(fake_strategies(FakePlanner), "auto")
     assert (decision.needed, applied) == (None, False)
     assert "calls a replace() mcore-autopatch does not know" in decision.reason
     assert fs.dataclasses is foreign
@@ -220,7 +222,7 @@ def test_a_failing_reading_is_contained_and_logged(fake_torch_modules, monkeypat
     def fake_exploding_read(fs: Any) -> Any:
         raise RuntimeError("FAKE: reading finish exploded")
 
-    monkeypatch.setattr(metadata_fix, "read_finish", fake_exploding_read)
+    monkeypatch.setattr(keep_mcore_data, "read_finish", fake_exploding_read)
     module = fake_strategies(FakePlanner)
     caplog.set_level(logging.WARNING, logger="mcore_autopatch")
     fixes.on_module_executed(module)  # never raises into the import
@@ -310,7 +312,7 @@ def test_read_metadata_of_bad_input_says_why(tmp_path):
         cm.read_metadata(str(tmp_path))
 
 
-# --- load_guard, on a FAKE megatron-core strategies.torch ---------------------------------------
+# --- load_without_mcore_data, on a FAKE megatron-core strategies.torch ---------------------------------------
 
 
 class FakeCheckpointingException(Exception):  # FAKE megatron.core.dist_checkpointing.core's
@@ -365,30 +367,30 @@ def lost_metadata(with_model: bool) -> FakeMetadata:
 
 def test_guard_is_needed_where_megatron_reads_mcore_data_and_applied_once():
     module = fake_loader_module(lost_metadata(True))
-    assert load_guard.evaluate(module, "auto").decision.needed is True
-    assert load_guard.apply(module, "auto")[1] is True
+    assert load_without_mcore_data.evaluate(module, "auto").decision.needed is True
+    assert load_without_mcore_data.apply(module, "auto")[1] is True
     guarded = module.get_reformulation_metadata
-    load_guard.apply(module, "auto")
-    assert module.get_reformulation_metadata is guarded and load_guard.is_applied(module)
+    load_without_mcore_data.apply(module, "auto")
+    assert module.get_reformulation_metadata is guarded and load_without_mcore_data.is_applied(module)
 
 
 def test_guard_same_layout_needs_no_shape():
     module = fake_loader_module(lost_metadata(False))
-    load_guard.apply(module, "auto")
+    load_without_mcore_data.apply(module, "auto")
     app = {KEY: FakeShardedTensor(KEY, (8, 6), (2, 1, 24))}
     assert module.get_reformulation_metadata(app, "ckpt") == {KEY: ("reformulation", (8, 6), (2, 1, 24))}
 
 
 def test_guard_other_layout_uses_the_proved_shape():
     module = fake_loader_module(lost_metadata(True))
-    load_guard.apply(module, "auto")
+    load_without_mcore_data.apply(module, "auto")
     app = {KEY: FakeShardedTensor(KEY, (8, 6), (1, 1, 48))}
     assert module.get_reformulation_metadata(app, "ckpt") == {KEY: ("reformulation", (8, 6), (2, 1, 24))}
 
 
 def test_guard_other_layout_without_proof_raises_the_cause_and_the_way_out():
     module = fake_loader_module(lost_metadata(False))
-    load_guard.apply(module, "auto")
+    load_without_mcore_data.apply(module, "auto")
     app = {KEY: FakeShardedTensor(KEY, (8, 6), (1, 1, 48))}
     with pytest.raises(FakeCheckpointingException) as raised:
         module.get_reformulation_metadata(app, "ckpt")
@@ -402,18 +404,18 @@ def test_guard_passes_a_checkpoint_with_mcore_data_through_untouched():
     metadata = lost_metadata(False)
     metadata.mcore_data = {KEY: "megatron's own answer"}  # type: ignore[attr-defined]
     module = fake_loader_module(metadata)
-    load_guard.apply(module, "auto")
+    load_without_mcore_data.apply(module, "auto")
     app = {KEY: FakeShardedTensor(KEY, (8, 6), (1, 1, 48))}
     assert module.get_reformulation_metadata(app, "ckpt") == {KEY: "megatron's own answer"}
 
 
 def test_guarded_load_tensors_metadata_describes_proved_shapes_or_refuses():
     module = fake_loader_module(lost_metadata(True))
-    load_guard.apply(module, "auto")
+    load_without_mcore_data.apply(module, "auto")
     strategy = module.TorchDistLoadShardedStrategy()
     assert strategy.load_tensors_metadata("ckpt")[KEY] == (8, 6)
     bare = fake_loader_module(lost_metadata(False))
-    load_guard.apply(bare, "auto")
+    load_without_mcore_data.apply(bare, "auto")
     with pytest.raises(FakeCheckpointingException, match="cannot be proved"):
         bare.TorchDistLoadShardedStrategy().load_tensors_metadata("ckpt")
 
@@ -421,18 +423,18 @@ def test_guarded_load_tensors_metadata_describes_proved_shapes_or_refuses():
 def test_guard_is_not_needed_where_megatron_does_not_read_mcore_data():
     module = fake_loader_module(lost_metadata(True))
     module.get_reformulation_metadata = lambda sharded_state_dict, checkpoint_dir: {}
-    assert load_guard.evaluate(module, "auto").decision.needed is False
-    assert load_guard.apply(module, "auto")[1] is False
+    assert load_without_mcore_data.evaluate(module, "auto").decision.needed is False
+    assert load_without_mcore_data.apply(module, "auto")[1] is False
 
 
 @pytest.mark.parametrize("kind", ["replacing", "in place", "rebuilding", "without finish"])
 def test_keep_mcore_data_gate_rules_out_only_a_finish_the_fix_would_call_in_place(fake_torch_modules, kind):
-    """fixes.py's gate reads torch's finish by names, without importing metadata_fix; where it
+    """The table's gate reads torch's finish by names, without importing keep_mcore_data; where it
     rules the fix out, the fix itself says "not needed" too."""
-    assert fixes.TORCH_FILESYSTEM == metadata_fix.TORCH_FS_MODULE
+    assert fixes.TORCH_FILESYSTEM == keep_mcore_data.TORCH_FS_MODULE
     fake_torch_modules(kind)
     gated = fixes._torch_finish_may_rebuild_the_metadata(fake_strategies(FakePlanner))
-    decided = metadata_fix.evaluate(fake_strategies(FakePlanner), "auto").decision.needed
+    decided = keep_mcore_data.evaluate(fake_strategies(FakePlanner), "auto").decision.needed
     if kind == "in place":
         assert gated is not None and "updates the Metadata in place" in gated and decided is False
     else:

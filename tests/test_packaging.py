@@ -202,11 +202,27 @@ def member_times_and_modes(wheel: str) -> Dict[str, object]:
 # --- the wheel itself ------------------------------------------------------------------
 
 
+def package_files() -> List[str]:
+    """Every file of the package in this checkout (its subpackages too), as a wheel names it."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "mcore_autopatch")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        relative = os.path.relpath(folder, ROOT)
+        found += ["%s/%s" % (relative, n) for n in files if n.endswith((".py", ".typed"))]
+    return found
+
+
 def test_wheel_root_carries_pth_and_start_and_record_lists_them(wheel_path):
     """pip only installs (and uninstall only removes) files the wheel holds and RECORD lists."""
     names = wheel_names(wheel_path)
     for name in (*STARTUP_FILES, "mcore_autopatch/py.typed", "mcore_autopatch/__init__.py"):
         assert name in names
+
+
+def test_wheel_carries_every_file_of_the_package_and_its_subpackages(wheel_path):
+    """setup.cfg lists the subpackages (fixes, shared, cli): a missing one imports nowhere."""
+    names = wheel_names(wheel_path)
+    assert sorted(n for n in names if n.startswith("mcore_autopatch/")) == sorted(package_files())
     record = wheel_text(wheel_path, ".dist-info/RECORD")
     recorded = {row[0] for row in csv.reader(io.StringIO(record)) if row}
     for name in (*STARTUP_FILES, "mcore_autopatch/py.typed"):
@@ -366,11 +382,7 @@ def test_sdist_carries_the_startup_files_license_and_only_what_a_build_needs(rel
     with tarfile.open(release_build["sdist"]) as tf:
         members = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if m.isfile()}
         read = {name: tf.extractfile(m).read() for name, m in members.items()}  # type: ignore[union-attr]
-    package = sorted(
-        "mcore_autopatch/" + n
-        for n in os.listdir(os.path.join(ROOT, "mcore_autopatch"))
-        if n.endswith((".py", ".typed"))
-    )
+    package = sorted(package_files())
     build_inputs = ["LICENSE", "MANIFEST.in", "PKG-INFO", "README.md", "pyproject.toml", "setup.cfg", "setup.py"]
     expected = {*build_inputs, *STARTUP_FILES, *package}
     assert {n for n in members if not n.startswith("mcore_autopatch.egg-info/")} == expected

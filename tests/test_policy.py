@@ -15,8 +15,10 @@ from fakes import fake_megatron_tree
 from fakes import fake_torch_write_items as fake
 
 import mcore_autopatch
-from mcore_autopatch import policy
-from mcore_autopatch.writers import MEGATRON_CORE
+from mcore_autopatch.fixes import write_item
+from mcore_autopatch.shared import versions
+from mcore_autopatch.shared.values import Decision
+from mcore_autopatch.shared.writers import MEGATRON_CORE
 
 UNKNOWN_SOURCE = "neither megatron-core's distribution metadata nor megatron.core.package_info gives a version"
 MEGATRON_VERSIONS = ["0.8.0", "0.9.0", "0.11.0", "0.12.0", "0.12.3", "0.13.0", "0.13.1rc", "0.16.1", None]
@@ -24,19 +26,19 @@ TORCH_VERSIONS = {"2.6": "2.6.0", "2.7": "2.7.1", "2.8": "2.8.0"}
 LEGACY = "stream, data, write_item, storage_key"
 
 
-def megatron(version: Optional[str]) -> policy.WriterVersion:
+def megatron(version: Optional[str]) -> versions.WriterVersion:
     if version is None:
-        return policy.WriterVersion(None, None, UNKNOWN_SOURCE)
-    return policy.WriterVersion(version, policy.parse_release(version), "metadata")
+        return versions.WriterVersion(None, None, UNKNOWN_SOURCE)
+    return versions.WriterVersion(version, versions.parse_release(version), "metadata")
 
 
 def torch_has_all(name: str) -> bool:
     return True
 
 
-def decide(generation: str, version: Optional[str], mode: str = "auto", has=torch_has_all) -> policy.Decision:
-    signature = policy.read_signature(fake.FAKE_GENERATIONS[generation])
-    return policy.decide(mode, megatron(version), signature, TORCH_VERSIONS[generation], has)
+def decide(generation: str, version: Optional[str], mode: str = "auto", has=torch_has_all) -> Decision:
+    signature = write_item.read_signature(fake.FAKE_GENERATIONS[generation])
+    return write_item.decide(mode, megatron(version), signature, TORCH_VERSIONS[generation], has)
 
 
 def release_of(version: Optional[str]) -> Tuple[int, ...]:
@@ -62,7 +64,7 @@ def test_known_signature_is_classified_by_parameter_names(
     function, generation, takes_transforms, has_format, format_required, format_index
 ):
     """Each generation is told apart by its parameters, never by torch's version string."""
-    sig = policy.read_signature(function)
+    sig = write_item.read_signature(function)
     assert sig.problem is None
     assert sig.generation == generation
     assert (sig.takes_transforms, sig.has_format, sig.format_required, sig.format_index) == (
@@ -75,24 +77,24 @@ def test_known_signature_is_classified_by_parameter_names(
 
 def test_torch_2_7_signature_reads_safe_tensors_as_optional_and_never_as_the_format():
     """2.7's 6th parameter is safe_tensors: it must not be mistaken for serialization_format."""
-    sig = policy.read_signature(fake.fake_torch_2_7_write_item)
+    sig = write_item.read_signature(fake.fake_torch_2_7_write_item)
     assert sig.text == "_write_item(transforms, %s, safe_tensors=False)" % LEGACY
     assert sig.has_format is False
     assert sig.format_index is None
 
 
 def test_signature_defaults_are_kept_for_the_decision():
-    assert policy.read_signature(fake.fake_torch_future_default_torch_save).format_default is (
+    assert write_item.read_signature(fake.fake_torch_future_default_torch_save).format_default is (
         fake.FakeSerializationFormat.TORCH_SAVE
     )
-    assert policy.read_signature(fake.fake_torch_future_default_safetensors).format_default is (
+    assert write_item.read_signature(fake.fake_torch_future_default_safetensors).format_default is (
         fake.FakeSerializationFormat.SAFETENSORS
     )
 
 
 def test_renamed_required_parameter_is_a_problem_with_its_name():
     """A torch whose 6th required parameter has another name: its needs are unknown."""
-    sig = policy.read_signature(fake.fake_torch_future_renamed)
+    sig = write_item.read_signature(fake.fake_torch_future_renamed)
     assert sig.generation == "unrecognised"
     assert sig.problem == (
         "_write_item(transforms, %s, save_format) has a required parameter 'save_format' "
@@ -102,7 +104,7 @@ def test_renamed_required_parameter_is_a_problem_with_its_name():
 
 def test_varargs_signature_is_a_problem():
     """``(*args, **kwargs)`` says nothing about what torch needs: never guess."""
-    sig = policy.read_signature(fake.fake_torch_future_varargs)
+    sig = write_item.read_signature(fake.fake_torch_future_varargs)
     assert sig.generation == "unrecognised"
     assert sig.problem == "_write_item(*args, **kwargs) takes *args or **kwargs; its needs cannot be read"
 
@@ -121,10 +123,10 @@ def test_signature_text_shows_keyword_only_and_defaults_without_annotations():
     ) -> None:
         pass
 
-    assert policy.read_signature(fake.fake_torch_future_keyword_only).text == (
+    assert write_item.read_signature(fake.fake_torch_future_keyword_only).text == (
         "_write_item(transforms, %s, *, serialization_format)" % LEGACY
     )
-    assert policy.read_signature(fake_torch_annotated_write_item).text == (
+    assert write_item.read_signature(fake_torch_annotated_write_item).text == (
         "_write_item(transforms, %s, *, serialization_format='torch_save')" % LEGACY
     )
 
@@ -133,7 +135,7 @@ def test_signature_with_unfamiliar_head_is_a_problem():
     def fake_torch_reordered_write_item(stream, transforms, data, write_item, storage_key):
         pass
 
-    sig = policy.read_signature(fake_torch_reordered_write_item)
+    sig = write_item.read_signature(fake_torch_reordered_write_item)
     assert sig.problem == (
         "_write_item(stream, transforms, data, write_item, storage_key) does not start with the parameters "
         "megatron-core passes"
@@ -147,7 +149,7 @@ def test_unreadable_signature_is_a_problem():
         pass
 
     fake_torch_unreadable_write_item.__signature__ = "not a Signature"  # inspect raises TypeError
-    sig = policy.read_signature(fake_torch_unreadable_write_item)
+    sig = write_item.read_signature(fake_torch_unreadable_write_item)
     assert sig.generation == "unrecognised"
     assert sig.problem is not None and sig.problem.startswith("cannot read the signature of _write_item: ")
 
@@ -180,7 +182,7 @@ def test_torch_2_7_auto_supplies_transforms_only_before_0_12(version):
         assert d.reason == "megatron-core %s passes everything torch 2.7.1's _write_item requires" % version
     else:
         assert d.needed is True
-        assert d.plan == policy.Plan(add_transforms=True, add_format=False)
+        assert d.plan == write_item.Plan(add_transforms=True, add_format=False)
         assert d.reason == "megatron-core %s calls _write_item without transforms; torch 2.7.1 requires it" % version
 
 
@@ -196,13 +198,13 @@ def test_torch_2_8_auto_supplies_what_each_release_lacks(version):
         assert d.reason == "megatron-core %s passes serialization_format itself" % version
     elif release_of(version) >= (0, 12):
         assert d.needed is True
-        assert d.plan == policy.Plan(add_transforms=False, add_format=True)
+        assert d.plan == write_item.Plan(add_transforms=False, add_format=True)
         assert d.reason == (
             "megatron-core %s calls _write_item without serialization_format; torch 2.8.0 requires it" % version
         )
     else:
         assert d.needed is True
-        assert d.plan == policy.Plan(add_transforms=True, add_format=True)
+        assert d.plan == write_item.Plan(add_transforms=True, add_format=True)
         assert d.reason == (
             "megatron-core %s calls _write_item without transforms and serialization_format; "
             "torch 2.8.0 requires them" % version
@@ -214,7 +216,7 @@ def test_torch_2_7_force_supplies_transforms_for_every_release(version):
     """force skips the version gate; the per-call check leaves complete calls alone."""
     d = decide("2.7", version, "force")
     assert d.needed is True
-    assert d.plan == policy.Plan(add_transforms=True, add_format=False)
+    assert d.plan == write_item.Plan(add_transforms=True, add_format=False)
     assert d.reason == "MCORE_AUTOPATCH=force: supplying transforms where a call lacks it (megatron-core %s)" % (
         version or "(unknown version)"
     )
@@ -224,7 +226,7 @@ def test_torch_2_7_force_supplies_transforms_for_every_release(version):
 def test_torch_2_8_force_supplies_both_for_every_release(version):
     d = decide("2.8", version, "force")
     assert d.needed is True
-    assert d.plan == policy.Plan(add_transforms=True, add_format=True)
+    assert d.plan == write_item.Plan(add_transforms=True, add_format=True)
     assert d.reason == (
         "MCORE_AUTOPATCH=force: supplying transforms and serialization_format where a call lacks it "
         "(megatron-core %s)" % (version or "(unknown version)")
@@ -250,7 +252,7 @@ def test_torch_without_what_is_needed_is_not_patched_with_reason(missing, versio
 def test_torch_without_transforms_class_still_supplies_format_for_0_12():
     """0.12 passes its own transforms, so a missing _StorageWriterTransforms does not matter."""
     d = decide("2.8", "0.12.1", has=lambda name: name != "_StorageWriterTransforms")
-    assert d.plan == policy.Plan(add_transforms=False, add_format=True)
+    assert d.plan == write_item.Plan(add_transforms=False, add_format=True)
 
 
 def test_force_with_nothing_to_supply_is_not_patched():
@@ -263,8 +265,8 @@ def test_force_with_nothing_to_supply_is_not_patched():
 # --- decide: plausible future torch signatures -------------------------------------------
 
 
-def decide_future(function, version: Optional[str], mode: str = "auto") -> policy.Decision:
-    return policy.decide(mode, megatron(version), policy.read_signature(function), "2.99.0", torch_has_all)
+def decide_future(function, version: Optional[str], mode: str = "auto") -> Decision:
+    return write_item.decide(mode, megatron(version), write_item.read_signature(function), "2.99.0", torch_has_all)
 
 
 def test_future_format_default_torch_save_needs_no_format():
@@ -276,19 +278,19 @@ def test_future_format_default_torch_save_needs_no_format():
 
 def test_future_format_default_torch_save_still_needs_transforms_before_0_12():
     d = decide_future(fake.fake_torch_future_default_torch_save, "0.9.0")
-    assert d.plan == policy.Plan(add_transforms=True, add_format=False)
+    assert d.plan == write_item.Plan(add_transforms=True, add_format=False)
 
 
 def test_future_format_default_safetensors_must_supply_torch_save():
     """SAFETENSORS writes no tensor bytes inside _write_item: TORCH_SAVE must be passed."""
     d = decide_future(fake.fake_torch_future_default_safetensors, "0.12.1")
     assert d.needed is True
-    assert d.plan == policy.Plan(add_transforms=False, add_format=True)
+    assert d.plan == write_item.Plan(add_transforms=False, add_format=True)
 
 
 def test_future_keyword_only_format_is_supplied():
     d = decide_future(fake.fake_torch_future_keyword_only, "0.12.1")
-    assert d.plan == policy.Plan(add_transforms=False, add_format=True)
+    assert d.plan == write_item.Plan(add_transforms=False, add_format=True)
 
 
 @pytest.mark.parametrize("mode", ["auto", "force"])
@@ -297,7 +299,7 @@ def test_future_unknown_signature_not_patched_even_with_force(function, mode):
     """Neither auto nor force guesses at a signature it does not know."""
     d = decide_future(function, "0.12.1", mode)
     assert (d.needed, d.plan) == (None, None)
-    sig = policy.read_signature(function)
+    sig = write_item.read_signature(function)
     assert d.reason == "torch 2.99.0: %s; not patching" % sig.problem
 
 
@@ -321,7 +323,7 @@ RELEASES = [
 @pytest.mark.parametrize("text, release", RELEASES)
 def test_parse_release_with_packaging(text, release):
     pytest.importorskip("packaging")
-    assert policy.parse_release(text) == release
+    assert versions.parse_release(text) == release
 
 
 @pytest.mark.parametrize("text, release", RELEASES)
@@ -331,16 +333,16 @@ def test_parse_release_without_packaging_reads_plain_versions(monkeypatch, text,
     monkeypatch.setitem(sys.modules, "packaging.version", None)
     with pytest.raises(ImportError):
         import packaging.version  # noqa: F401
-    assert policy.parse_release(text) == release
+    assert versions.parse_release(text) == release
 
 
 def test_parse_release_without_packaging_is_more_lenient(monkeypatch):
     """Documented difference: the fallback reads a leading X.Y.Z that PEP 440 rejects."""
     pytest.importorskip("packaging")
-    assert policy.parse_release("0.12.1-custom-build") is None
+    assert versions.parse_release("0.12.1-custom-build") is None
     monkeypatch.setitem(sys.modules, "packaging", None)
     monkeypatch.setitem(sys.modules, "packaging.version", None)
-    assert policy.parse_release("0.12.1-custom-build") == (0, 12, 1)
+    assert versions.parse_release("0.12.1-custom-build") == (0, 12, 1)
 
 
 @pytest.fixture
@@ -361,7 +363,7 @@ def fake_megatron_on_path(monkeypatch, tmp_path):
 
 def test_megatron_version_from_its_metadata(fake_megatron_on_path):
     fake_megatron_on_path(version="0.12.1")
-    mv = policy.writer_version(MEGATRON_CORE)
+    mv = versions.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.release, mv.source) == ("0.12.1", (0, 12, 1), "metadata")
 
 
@@ -369,7 +371,7 @@ def test_megatron_metadata_without_version_falls_back_to_package_info(fake_megat
     from fakes import fake_metadata
 
     fake_megatron_on_path(version="0.11.0", metadata=fake_metadata(None))
-    mv = policy.writer_version(MEGATRON_CORE)
+    mv = versions.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.release, mv.source) == ("0.11.0", (0, 11, 0), "package_info")
 
 
@@ -377,13 +379,13 @@ def test_megatron_invalid_metadata_version_falls_back_to_package_info(fake_megat
     from fakes import fake_metadata
 
     fake_megatron_on_path(version="0.12.2", metadata=fake_metadata("not-a-version"))
-    mv = policy.writer_version(MEGATRON_CORE)
+    mv = versions.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.source) == ("0.12.2", "package_info")
 
 
 def test_megatron_without_metadata_or_package_info_is_unknown(fake_megatron_on_path):
     fake_megatron_on_path(metadata=None, package_info=False)
-    mv = policy.writer_version(MEGATRON_CORE)
+    mv = versions.writer_version(MEGATRON_CORE)
     assert mv.known is False
     assert (mv.version, mv.source) == (None, UNKNOWN_SOURCE)
 
@@ -394,7 +396,7 @@ def test_megatron_metadata_of_another_copy_loses_to_the_imported_package_info(fa
     fake_megatron_on_path(version="0.12.1", metadata=None)  # first on sys.path: the imported code
     import megatron.core  # noqa: F401  (the comparison needs the imported package)
 
-    mv = policy.writer_version(MEGATRON_CORE)
+    mv = versions.writer_version(MEGATRON_CORE)
     assert (mv.version, mv.source) == ("0.12.1", "package_info")
 
 

@@ -175,7 +175,7 @@ _thread.join()
 '''
 FAKE_OTHER_THREAD_MODULE = '''"""fake: imported by a second thread while the writer module is executing."""
 import json  # not imported yet: a real find through every finder, ours included
-import mcore_autopatch.writer_fix  # what our callback needs, imported first by this thread
+import mcore_autopatch.fixes.write_item  # what our callback needs, imported first by this thread
 import megatron.core.dist_checkpointing  # a parent of the writer, already imported
 '''
 FAKE_EVIL = '''"""fake_evil: must never be imported; it leaves a marker file and prints if it is."""

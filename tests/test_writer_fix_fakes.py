@@ -21,7 +21,9 @@ from fakes import fake_megatron_tree
 from fakes import fake_torch_write_items as fake_torch
 
 import mcore_autopatch
-from mcore_autopatch import fixes, policy, writer_fix
+from mcore_autopatch import fixes
+from mcore_autopatch.fixes import write_item
+from mcore_autopatch.shared import versions
 
 TS = fake_torch.FakeSerializationFormat.TORCH_SAVE
 SAFETENSORS = fake_torch.FakeSerializationFormat.SAFETENSORS
@@ -44,12 +46,15 @@ class FakeTorch:
         return fake_torch.FAKE_CALLS
 
     def install(
-        self, generation: str = "2.8", write_item: Optional[Callable[..., Any]] = None, without: Tuple[str, ...] = ()
+        self,
+        generation: str = "2.8",
+        fake_write_item: Optional[Callable[..., Any]] = None,
+        without: Tuple[str, ...] = (),
     ) -> types.ModuleType:
         torch = types.ModuleType("torch", "FAKE torch (tests/test_writer_fix_fakes.py)")
         torch.__version__ = "%s.0+fake" % generation  # type: ignore[attr-defined]
         fs = types.ModuleType(TORCH_FS, "FAKE torch filesystem module, generation %s" % generation)
-        fs._write_item = write_item or fake_torch.FAKE_GENERATIONS[generation]  # type: ignore[attr-defined]
+        fs._write_item = fake_write_item or fake_torch.FAKE_GENERATIONS[generation]  # type: ignore[attr-defined]
         for name in fake_torch.FAKE_GENERATION_EXTRAS[generation]:
             setattr(fs, name, fake_torch.FAKE_EXTRA_OBJECTS[name])
         for name in without:
@@ -138,16 +143,18 @@ FORCE_MATRIX = {
 }
 
 
-def safe_for(write_item: Callable[..., Any], plan: policy.Plan, fs_extras: Tuple[str, ...] = ()) -> Callable[..., Any]:
-    signature = policy.read_signature(write_item)
+def safe_for(
+    fake_write_item: Callable[..., Any], plan: write_item.Plan, fs_extras: Tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    signature = write_item.read_signature(fake_write_item)
     transforms_type = fake_torch.FakeStorageWriterTransforms if "_StorageWriterTransforms" in fs_extras else None
-    return writer_fix.make_safe_write_item(write_item, plan, signature, transforms_type, TS)
+    return write_item.make_safe_write_item(fake_write_item, plan, signature, transforms_type, TS)
 
 
-def force_plan(generation: str) -> policy.Plan:
-    signature = policy.read_signature(fake_torch.FAKE_GENERATIONS[generation])
-    decision = policy.decide(
-        "force", policy.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, generation, lambda _: True
+def force_plan(generation: str) -> write_item.Plan:
+    signature = write_item.read_signature(fake_torch.FAKE_GENERATIONS[generation])
+    decision = write_item.decide(
+        "force", versions.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, generation, lambda _: True
     )
     assert decision.plan is not None
     return decision.plan
@@ -165,8 +172,8 @@ def call_quietly(function: Callable[..., Any], args: Tuple[Any, ...], kwargs: Di
 @pytest.mark.parametrize("generation", ["2.7", "2.8"])
 def test_every_megatron_call_shape_reaches_the_fake_torch_with_exactly_the_right_arguments(generation, shape):
     """force plan: each call gets only what it lacks for that torch, and nothing else."""
-    write_item = fake_torch.FAKE_GENERATIONS[generation]
-    safe = safe_for(write_item, force_plan(generation), fake_torch.FAKE_GENERATION_EXTRAS[generation])
+    fake_write_item = fake_torch.FAKE_GENERATIONS[generation]
+    safe = safe_for(fake_write_item, force_plan(generation), fake_torch.FAKE_GENERATION_EXTRAS[generation])
     given = SHAPES[shape](Args())
     del fake_torch.FAKE_CALLS[:]
     call_quietly(safe, *given)
@@ -193,19 +200,23 @@ def test_every_megatron_call_shape_reaches_the_fake_torch_with_exactly_the_right
 )
 def test_affected_release_call_fails_raw_and_writes_tensor_bytes_through_the_safe_caller(generation, version, shape):
     """The auto plan for each affected pairing: raw call fails (the bug), safe call saves."""
-    write_item = fake_torch.FAKE_GENERATIONS[generation]
-    signature = policy.read_signature(write_item)
-    decision = policy.decide(
-        "auto", policy.WriterVersion(version, policy.parse_release(version), "metadata"), signature, generation, bool
+    fake_write_item = fake_torch.FAKE_GENERATIONS[generation]
+    signature = write_item.read_signature(fake_write_item)
+    decision = write_item.decide(
+        "auto",
+        versions.WriterVersion(version, versions.parse_release(version), "metadata"),
+        signature,
+        generation,
+        bool,
     )
     assert decision.plan is not None
-    safe = writer_fix.make_safe_write_item(
-        write_item, decision.plan, signature, fake_torch.FakeStorageWriterTransforms, TS
+    safe = write_item.make_safe_write_item(
+        fake_write_item, decision.plan, signature, fake_torch.FakeStorageWriterTransforms, TS
     )
 
     raw_args, raw_kwargs = SHAPES[shape](Args())
     with pytest.raises(TypeError, match="missing"):
-        write_item(*raw_args, **raw_kwargs)
+        fake_write_item(*raw_args, **raw_kwargs)
 
     args = Args()
     call_args, call_kwargs = SHAPES[shape](args)
@@ -223,20 +234,20 @@ def test_affected_release_call_fails_raw_and_writes_tensor_bytes_through_the_saf
 def test_torch_2_6_with_an_empty_plan_passes_the_legacy_call_through():
     """torch 2.6 needs nothing; a safe caller with nothing to add changes no call."""
     assert force_plan_or_none("2.6") is None
-    safe = safe_for(fake_torch.fake_torch_2_6_write_item, policy.Plan(False, False))
+    safe = safe_for(fake_torch.fake_torch_2_6_write_item, write_item.Plan(False, False))
     args = Args()
     result = safe(*args.legacy)
     assert result.tensor_bytes_written is True
     assert fake_torch.FAKE_CALLS[-1] == fake_torch.FakeCall("fake_torch_2_6_write_item", args.legacy, {})
 
 
-def force_plan_or_none(generation: str) -> Optional[policy.Plan]:
-    signature = policy.read_signature(fake_torch.FAKE_GENERATIONS[generation])
-    return policy.decide("force", policy.WriterVersion(None, None, "?"), signature, generation, bool).plan
+def force_plan_or_none(generation: str) -> Optional[write_item.Plan]:
+    signature = write_item.read_signature(fake_torch.FAKE_GENERATIONS[generation])
+    return write_item.decide("force", versions.WriterVersion(None, None, "?"), signature, generation, bool).plan
 
 
 def test_safe_caller_reuses_one_no_extension_transforms_object():
-    safe = safe_for(fake_torch.fake_torch_2_8_write_item, policy.Plan(True, True), ("_StorageWriterTransforms",))
+    safe = safe_for(fake_torch.fake_torch_2_8_write_item, write_item.Plan(True, True), ("_StorageWriterTransforms",))
     safe(*Args().legacy)
     safe(*Args().legacy)
     first, second = fake_torch.FAKE_CALLS[-2:]
@@ -246,23 +257,23 @@ def test_safe_caller_reuses_one_no_extension_transforms_object():
 
 def test_caller_given_format_is_never_overridden():
     """A call that chose a format itself (even SAFETENSORS) keeps its choice."""
-    safe = safe_for(fake_torch.fake_torch_2_8_write_item, policy.Plan(True, True), ("_StorageWriterTransforms",))
+    safe = safe_for(fake_torch.fake_torch_2_8_write_item, write_item.Plan(True, True), ("_StorageWriterTransforms",))
     args = Args()
     safe(args.transforms, *args.legacy, serialization_format=SAFETENSORS)
     assert fake_torch.FAKE_CALLS[-1].kwargs == {"serialization_format": SAFETENSORS}
 
 
 def test_safe_caller_is_marked_and_wraps_torch_once():
-    safe = safe_for(fake_torch.fake_torch_2_8_write_item, policy.Plan(False, True))
-    assert writer_fix.is_safe_write_item(safe)
-    assert getattr(safe, writer_fix.MARK) == mcore_autopatch.__version__
+    safe = safe_for(fake_torch.fake_torch_2_8_write_item, write_item.Plan(False, True))
+    assert write_item.is_safe_write_item(safe)
+    assert getattr(safe, write_item.MARK) == mcore_autopatch.__version__
     assert safe.__wrapped__ is fake_torch.fake_torch_2_8_write_item
-    assert not writer_fix.is_safe_write_item(safe.__wrapped__)
+    assert not write_item.is_safe_write_item(safe.__wrapped__)
 
 
 # --- torch 2.7: never a 6th positional argument -------------------------------------------
 
-ALL_PLANS = [policy.Plan(t, f) for t, f in itertools.product([False, True], repeat=2)]
+ALL_PLANS = [write_item.Plan(t, f) for t, f in itertools.product([False, True], repeat=2)]
 
 
 def odd_calls() -> Iterator[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]:
@@ -331,13 +342,15 @@ def test_torch_2_7_without_the_fix_a_truthy_sixth_positional_loses_the_tensor_by
 
 def test_future_safetensors_default_gets_torch_save_and_writes_the_bytes():
     """Were SAFETENSORS the default, a 0.12 call would write no tensor bytes; the fix passes TORCH_SAVE."""
-    write_item = fake_torch.fake_torch_future_default_safetensors
+    fake_write_item = fake_torch.fake_torch_future_default_safetensors
     a = Args()
-    assert write_item(a.transforms, *a.legacy).tensor_bytes_written is False  # without the fix
-    signature = policy.read_signature(write_item)
-    decision = policy.decide("auto", policy.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, "2.99", bool)
-    assert decision.plan == policy.Plan(False, True)
-    safe = writer_fix.make_safe_write_item(write_item, decision.plan, signature, None, TS)
+    assert fake_write_item(a.transforms, *a.legacy).tensor_bytes_written is False  # without the fix
+    signature = write_item.read_signature(fake_write_item)
+    decision = write_item.decide(
+        "auto", versions.WriterVersion("0.12.1", (0, 12, 1), "metadata"), signature, "2.99", bool
+    )
+    assert decision.plan == write_item.Plan(False, True)
+    safe = write_item.make_safe_write_item(fake_write_item, decision.plan, signature, None, TS)
     a = Args()
     assert safe(a.transforms, *a.legacy).tensor_bytes_written is True
     assert fake_torch.FAKE_CALLS[-1].kwargs == {"serialization_format": TS}
@@ -345,18 +358,18 @@ def test_future_safetensors_default_gets_torch_save_and_writes_the_bytes():
 
 
 def test_future_keyword_only_format_is_supplied_by_keyword():
-    write_item = fake_torch.fake_torch_future_keyword_only
+    fake_write_item = fake_torch.fake_torch_future_keyword_only
     a = Args()
     with pytest.raises(TypeError, match="serialization_format"):
-        write_item(a.transforms, *a.legacy)  # without the fix
-    safe = safe_for(write_item, policy.Plan(False, True))
+        fake_write_item(a.transforms, *a.legacy)  # without the fix
+    safe = safe_for(fake_write_item, write_item.Plan(False, True))
     assert safe(a.transforms, *a.legacy).tensor_bytes_written is True
     assert fake_torch.FAKE_CALLS[-1].kwargs == {"serialization_format": TS}
 
 
 def test_future_torch_save_default_gets_only_transforms_for_0_9():
-    write_item = fake_torch.fake_torch_future_default_torch_save
-    safe = safe_for(write_item, policy.Plan(True, False), ("_StorageWriterTransforms",))
+    fake_write_item = fake_torch.fake_torch_future_default_torch_save
+    safe = safe_for(fake_write_item, write_item.Plan(True, False), ("_StorageWriterTransforms",))
     a = Args()
     assert safe(*a.legacy).tensor_bytes_written is True
     call = fake_torch.FAKE_CALLS[-1]
@@ -364,7 +377,7 @@ def test_future_torch_save_default_gets_only_transforms_for_0_9():
     assert call.args[1:] == a.legacy
 
 
-# --- writer_fix.apply / evaluate on a fake writer module ----------------------------------
+# --- write_item.apply / evaluate on a fake writer module ----------------------------------
 
 
 def test_apply_on_0_12_with_torch_2_8_rebinds_and_the_call_gets_the_format(fake, fake_megatron):
@@ -374,7 +387,7 @@ def test_apply_on_0_12_with_torch_2_8_rebinds_and_the_call_gets_the_format(fake,
     a = Args()
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'serialization_format'"):
         writer._write_item(a.transforms, *a.legacy)  # without the fix: the bug
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (True, True)
     assert decision.reason == (
         "megatron-core 0.12.1 calls _write_item without serialization_format; torch 2.8.0+fake requires it"
@@ -389,10 +402,10 @@ def test_apply_twice_never_stacks_a_second_wrapper(fake, fake_megatron):
     fake.install("2.8")
     fake_megatron("0.9.0")
     writer = fake.writer()
-    assert writer_fix.apply(writer, "auto")[1] is True
+    assert write_item.apply(writer, "auto")[1] is True
     first = writer._write_item
-    assert writer_fix.apply(writer, "auto")[1] is True
-    assert writer_fix.apply(writer, "force")[1] is True
+    assert write_item.apply(writer, "auto")[1] is True
+    assert write_item.apply(writer, "force")[1] is True
     assert writer._write_item is first
     assert first.__wrapped__ is fake.fs._write_item
     assert not hasattr(first.__wrapped__, "__wrapped__")  # exactly one level
@@ -408,7 +421,7 @@ def test_apply_over_a_foreign_replacement_leaves_it_alone_with_reason(fake, fake
         return fake.fs._write_item(*args, serialization_format=TS, **kwargs)
 
     writer._write_item = fake_job_shim
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert applied is False
     assert writer._write_item is fake_job_shim
     assert decision.needed is True
@@ -427,9 +440,9 @@ def test_apply_over_another_copys_safe_caller_keeps_it(fake, fake_megatron):
     def fake_other_copy_safe_caller(*args, **kwargs):
         return fake.fs._write_item(*args, **kwargs)
 
-    setattr(fake_other_copy_safe_caller, writer_fix.MARK, "0.0.1")
+    setattr(fake_other_copy_safe_caller, write_item.MARK, "0.0.1")
     writer._write_item = fake_other_copy_safe_caller
-    assert writer_fix.apply(writer, "auto")[1] is True
+    assert write_item.apply(writer, "auto")[1] is True
     assert writer._write_item is fake_other_copy_safe_caller
 
 
@@ -437,7 +450,7 @@ def test_apply_to_writer_without_write_item_global_not_applied_with_reason(fake,
     fake.install("2.8")
     fake_megatron("0.12.1")
     writer = types.ModuleType(mcore_autopatch.WRITER_MODULE, "FAKE upstream rewrite without _write_item")
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (None, False)
     assert decision.reason == (
         "%s has no _write_item global (an upstream rewrite?); not patching" % mcore_autopatch.WRITER_MODULE
@@ -456,7 +469,7 @@ def test_apply_without_torch_write_item_not_applied_with_reason(fake, fake_megat
     else:
         fake.install("2.8", without=("_write_item",))
         writer = fake.writer()
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (None, False)
     assert decision.reason == "torch.distributed.checkpoint.filesystem has no _write_item; not patching"
 
@@ -467,7 +480,7 @@ def test_apply_without_what_torch_must_be_given_not_applied(fake, fake_megatron,
     fake_megatron("0.9.0")
     writer = fake.writer()
     original = writer._write_item
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (True, False)
     assert decision.reason.endswith("but torch has no %s to supply; not patching" % missing)
     assert writer._write_item is original
@@ -479,7 +492,7 @@ def test_apply_where_nothing_is_needed_changes_nothing(fake, fake_megatron, gene
     fake_megatron(version)
     writer = fake.writer()
     original = writer._write_item
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (False, False)
     assert writer._write_item is original
 
@@ -488,10 +501,10 @@ def test_apply_with_unknown_megatron_version_waits_for_force(fake):
     """No megatron-core version to read: auto patches nothing, force does."""
     fake.install("2.8")
     writer = fake.writer()
-    decision, applied = writer_fix.apply(writer, "auto")
+    decision, applied = write_item.apply(writer, "auto")
     assert (decision.needed, applied) == (None, False)
     assert decision.reason.endswith("; set MCORE_AUTOPATCH=force to patch anyway")
-    decision, applied = writer_fix.apply(writer, "force")
+    decision, applied = write_item.apply(writer, "force")
     assert (decision.needed, applied) == (True, True)
 
 
@@ -499,7 +512,7 @@ def test_apply_with_unknown_megatron_version_waits_for_force(fake):
 def test_apply_force_on_2_7_and_2_8_serves_0_12_and_0_9_calls(fake, generation):
     fake.install(generation)
     writer = fake.writer()
-    assert writer_fix.apply(writer, "force")[1] is True
+    assert write_item.apply(writer, "force")[1] is True
     a, b = Args(), Args()
     assert writer._write_item(*a.legacy).tensor_bytes_written is True
     assert writer._write_item(b.transforms, *b.legacy).tensor_bytes_written is True
@@ -510,8 +523,8 @@ def test_evaluate_decides_without_changing_the_writer(fake, fake_megatron):
     fake_megatron("0.12.1")
     writer = fake.writer()
     original = writer._write_item
-    ev = writer_fix.evaluate(writer, "auto")
-    assert ev.decision.plan == policy.Plan(False, True)
+    ev = write_item.evaluate(writer, "auto")
+    assert ev.decision.plan == write_item.Plan(False, True)
     assert ev.original is original
     assert writer._write_item is original
 
@@ -530,7 +543,7 @@ def test_on_module_executed_for_each_reimport_wraps_each_module_once(fake, fake_
     for writer in writers:
         fixes.on_module_executed(writer)
         fixes.on_module_executed(writer)  # the package callback may look again
-        assert writer_fix.is_safe_write_item(writer._write_item)
+        assert write_item.is_safe_write_item(writer._write_item)
         assert writer._write_item.__wrapped__ is fake.fs._write_item
     assert fixes.last_decision(WRITE_ITEM) == {
         "needed": True,
@@ -570,7 +583,7 @@ def test_on_module_executed_never_raises_when_evaluation_breaks(fake, monkeypatc
     def fake_broken_version(writer: object) -> None:
         raise RuntimeError("fake: metadata reader exploded")
 
-    monkeypatch.setattr(policy, "writer_version", fake_broken_version)
+    monkeypatch.setattr(versions, "writer_version", fake_broken_version)
     writer = fake.writer()
     fixes.on_module_executed(writer)
     assert writer._write_item is fake.fs._write_item

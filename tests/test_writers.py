@@ -1,6 +1,6 @@
 """The table of known writers, and the evidence read from a writer's own code.
 
-``policy.read_call`` looks at the code objects of the functions a writer module defines:
+``write_item.read_call`` looks at the code objects of the functions a writer module defines:
 which of them call ``_write_item``, and whether each names ``serialization_format``. The
 modules here are FAKE writer modules compiled from small sources (no megatron-core code);
 the real trees, including a 0.12.1 tree relabelled 0.13.0rc0, are in
@@ -14,10 +14,13 @@ from typing import Optional
 import pytest
 
 import mcore_autopatch
-from mcore_autopatch import fixes, policy, writers
+from mcore_autopatch import fixes
+from mcore_autopatch.fixes import write_item
+from mcore_autopatch.shared import versions, writers
+from mcore_autopatch.shared.values import Decision
 
 FAKE_MODULE = "fake_writers.filesystem_async"
-TORCH_2_8_SIGNATURE = policy.WriteItemSignature(
+TORCH_2_8_SIGNATURE = write_item.WriteItemSignature(
     "_write_item(transforms, stream, data, write_item, storage_key, serialization_format)",
     takes_transforms=True,
     format_index=5,
@@ -38,7 +41,7 @@ def fake_writer_module(source: str, name: str = FAKE_MODULE) -> types.ModuleType
 
 
 def test_startup_watch_list_matches_the_table_of_fixes():
-    """The startup room cannot import fixes.py; its watch list must name the same modules."""
+    """The startup room cannot import the table (fixes/); its watch list must name the same modules."""
     assert set(mcore_autopatch._WATCHED) == fixes.watched_modules()
     assert all(hooks == mcore_autopatch._HOOKS for hooks in mcore_autopatch._WATCHED.values())
     assert {w.module for w in writers.KNOWN_WRITERS} <= fixes.watched_modules()
@@ -74,7 +77,7 @@ def test_read_call_finds_a_staticmethod_behind_a_wraps_decorator():
                 return _write_item(*transform_list, stream, data, item, key)
         """
     )
-    call = policy.read_call(module)
+    call = write_item.read_call(module)
     assert call.callers == ("FakeWriterAsync.write_preloaded_data",)
     assert call.without_format == ("FakeWriterAsync.write_preloaded_data",)
     assert call.passes_format is False
@@ -92,7 +95,7 @@ def test_read_call_finds_a_staticmethod_behind_a_wraps_decorator():
 )
 def test_read_call_sees_each_way_of_passing_the_format(body):
     module = fake_writer_module("def fake_write(t, s, d, i, k, fmt=None):\n    %s\n" % body)
-    assert policy.read_call(module).passes_format is True
+    assert write_item.read_call(module).passes_format is True
 
 
 def test_read_call_ignores_docstrings_and_messages_that_mention_the_format():
@@ -104,7 +107,7 @@ def test_read_call_ignores_docstrings_and_messages_that_mention_the_format():
             return _write_item(t, s, d, i, k)
         '''
     )
-    assert policy.read_call(module).passes_format is False
+    assert write_item.read_call(module).passes_format is False
 
 
 def test_read_call_one_caller_without_the_format_is_the_old_call():
@@ -117,7 +120,7 @@ def test_read_call_one_caller_without_the_format_is_the_old_call():
             return _write_item(t, s, d, i, k)
         """
     )
-    call = policy.read_call(module)
+    call = write_item.read_call(module)
     assert set(call.callers) == {"fake_new", "fake_old"}
     assert call.without_format == ("fake_old",)
     assert call.passes_format is False
@@ -132,7 +135,7 @@ def test_read_call_looks_into_nested_functions():
             return [each(i) for i in items]
         """
     )
-    assert policy.read_call(module).callers == ("fake_outer",)
+    assert write_item.read_call(module).callers == ("fake_outer",)
 
 
 def test_read_call_ignores_functions_imported_from_elsewhere():
@@ -140,8 +143,8 @@ def test_read_call_ignores_functions_imported_from_elsewhere():
     module = fake_writer_module("from os.path import join\n")
     module.fake_imported = types.FunctionType(compile("_write_item()", "<x>", "exec"), {}, "fake_imported")
     module.fake_imported.__module__ = "somewhere.else"
-    assert policy.read_call(module) == policy.NO_CALL_FOUND
-    assert policy.read_call(module).passes_format is None
+    assert write_item.read_call(module) == write_item.NO_CALL_FOUND
+    assert write_item.read_call(module).passes_format is None
 
 
 def test_read_call_of_a_module_that_cannot_be_walked_gives_no_evidence():
@@ -153,32 +156,32 @@ def test_read_call_of_a_module_that_cannot_be_walked_gives_no_evidence():
 
     module = fake_writer_module("def fake_write(t, s, d, i, k):\n    return _write_item(t, s, d, i, k)\n")
     module.fake_proxy = FakeExplodingProxy()
-    assert policy.read_call(module) == policy.NO_CALL_FOUND
+    assert write_item.read_call(module) == write_item.NO_CALL_FOUND
 
 
 def test_read_call_of_a_module_without_callers_finds_nothing():
     module = fake_writer_module("def fake_unrelated():\n    return 1\n")
-    call = policy.read_call(module)
+    call = write_item.read_call(module)
     assert (call.callers, call.passes_format) == ((), None)
     assert call.text == "no function calling _write_item found in its code"
 
 
 # --- the decision with that evidence --------------------------------------------------------
 
-OLD_CALL = policy.CallEvidence(("FakeWriterAsync.write_preloaded_data",), ("FakeWriterAsync.write_preloaded_data",))
-NEW_CALL = policy.CallEvidence(("FakeWriterAsync.write_preloaded_data",), ())
+OLD_CALL = write_item.CallEvidence(("FakeWriterAsync.write_preloaded_data",), ("FakeWriterAsync.write_preloaded_data",))
+NEW_CALL = write_item.CallEvidence(("FakeWriterAsync.write_preloaded_data",), ())
 
 
-def decide(version: Optional[str], call: policy.CallEvidence, writer=writers.MEGATRON_CORE) -> policy.Decision:
-    known = policy.WriterVersion(version, policy.parse_release(version), "package_info")
+def decide(version: Optional[str], call: write_item.CallEvidence, writer=writers.MEGATRON_CORE) -> Decision:
+    known = versions.WriterVersion(version, versions.parse_release(version), "package_info")
     if version is None:
-        known = policy.WriterVersion(None, None, "no version anywhere")
-    return policy.decide("auto", known, TORCH_2_8_SIGNATURE, "2.8.0", lambda name: True, writer, call)
+        known = versions.WriterVersion(None, None, "no version anywhere")
+    return write_item.decide("auto", known, TORCH_2_8_SIGNATURE, "2.8.0", lambda name: True, writer, call)
 
 
 def test_decide_code_with_the_old_call_overrules_a_version_that_claims_the_fix():
     d = decide("0.13.0rc0", OLD_CALL)
-    assert (d.needed, d.plan) == (True, policy.Plan(False, True))
+    assert (d.needed, d.plan) == (True, write_item.Plan(False, True))
     assert d.reason == (
         "megatron-core 0.13.0rc0 calls _write_item without serialization_format; torch 2.8.0 requires it "
         "(read from its writer's code, FakeWriterAsync.write_preloaded_data; by its version alone it would pass it)"
@@ -196,7 +199,7 @@ def test_decide_code_that_passes_the_format_overrules_an_older_version():
 
 @pytest.mark.parametrize("version, needed", [("0.12.1", True), ("0.13.1", False)])
 def test_decide_without_callers_found_the_version_decides(version, needed):
-    d = decide(version, policy.NO_CALL_FOUND)
+    d = decide(version, write_item.NO_CALL_FOUND)
     assert d.needed is needed
     assert "read from its writer's code" not in d.reason
 
@@ -217,6 +220,6 @@ def test_decide_unknown_version_stays_cannot_tell_whatever_the_code():
 
 @pytest.mark.parametrize("version, needed", [("0.3.0", True), ("0.4.0", False), ("0.4.1", False)])
 def test_decide_for_nvidia_resiliency_ext_uses_its_own_releases(version, needed):
-    d = decide(version, policy.NO_CALL_FOUND, writers.NVIDIA_RESILIENCY_EXT)
+    d = decide(version, write_item.NO_CALL_FOUND, writers.NVIDIA_RESILIENCY_EXT)
     assert d.needed is needed
     assert d.reason.startswith("nvidia-resiliency-ext %s " % version)

@@ -54,7 +54,7 @@ def main(argv: "list[str]") -> None:
     out["report"] = _save.write_item_report()
     out["finders"] = _save.our_finders()
     import mcore_autopatch
-    from mcore_autopatch import report
+    from mcore_autopatch.cli import report
 
     info = mcore_autopatch.status()
     out["status"] = {key: info[key] for key in ("hook_installed", "needed", "applied", "reason")}

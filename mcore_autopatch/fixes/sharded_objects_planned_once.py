@@ -25,7 +25,8 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from mcore_autopatch import policy
+from mcore_autopatch.shared import versions
+from mcore_autopatch.shared.values import Decision
 
 NAME = "sharded_objects_planned_once"
 PLANNER = "MCoreSavePlanner"
@@ -39,7 +40,7 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
         planner: Optional[type] = None,
     ) -> None:
         self.decision = decision
@@ -65,10 +66,10 @@ def torch_plans_objects_on_every_rank() -> "tuple[Optional[bool], str]":
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    megatron = policy.megatron_core_label()
+    megatron = versions.megatron_core_label()
     planner = vars(module).get(PLANNER)
     if not isinstance(planner, type) or METHOD not in vars(planner):
-        return Evaluation(policy.Decision(False, "%s plans its ShardedObjects itself" % megatron))
+        return Evaluation(Decision(False, "%s plans its ShardedObjects itself" % megatron))
     every_rank, why = torch_plans_objects_on_every_rank()
     adds = "%s's %s.%s adds a write request for each ShardedObject on ranks it takes for non-coordinators" % (
         megatron,
@@ -76,14 +77,14 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
         METHOD,
     )
     if every_rank is None:
-        return Evaluation(policy.Decision(None, "%s; %s; not patching" % (adds, why)), planner)
+        return Evaluation(Decision(None, "%s; %s; not patching" % (adds, why)), planner)
     if not every_rank:
-        return Evaluation(policy.Decision(False, "%s; %s, as that release expects" % (adds, why)), planner)
+        return Evaluation(Decision(False, "%s; %s, as that release expects" % (adds, why)), planner)
     reason = (
         "%s (every rank: it passes is_coordinator where torch 2.4+ takes storage_meta); %s, so each is planned "
         "twice and the save fails: the method now adds only the requests the plan lacks" % (adds, why)
     )
-    return Evaluation(policy.Decision(True, reason), planner)
+    return Evaluation(Decision(True, reason), planner)
 
 
 def adding_only_what_is_missing(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,7 +107,7 @@ def is_applied(module: ModuleType) -> bool:
     return isinstance(planner, type) and bool(getattr(vars(planner).get(METHOD), MARK, False))
 
 
-def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.planner is None:
         return ev.decision, is_applied(module)

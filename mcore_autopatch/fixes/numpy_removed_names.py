@@ -24,7 +24,8 @@ import sys
 from types import ModuleType
 from typing import Dict, FrozenSet, Optional, Tuple
 
-from mcore_autopatch import code_reading, policy, standin
+from mcore_autopatch.shared import code_reading, standin, versions
+from mcore_autopatch.shared.values import Decision
 
 # Removed in numpy 2.0 -> what numpy 1.x documented them as aliases of.
 REPLACEMENTS: Dict[str, str] = {"product": "prod", "cumproduct": "cumprod", "alltrue": "all", "sometrue": "any"}
@@ -35,7 +36,7 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
         numpy: Optional[ModuleType] = None,
         owners: FrozenSet[str] = frozenset(),  # the module's globals bound to numpy
         missing: Tuple[str, ...] = (),  # removed names the module calls (sorted)
@@ -50,16 +51,16 @@ class Evaluation:
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
     where = code_reading.short_name(module.__name__)
-    megatron = policy.megatron_core_label()
+    megatron = versions.megatron_core_label()
     numpy = sys.modules.get("numpy")
     if numpy is None:
-        return Evaluation(policy.Decision(False, "%s: numpy is not imported" % megatron, where=where))
+        return Evaluation(Decision(False, "%s: numpy is not imported" % megatron, where=where))
     owners = code_reading.globals_bound_to(module, numpy, standin.real_module)
     gone = frozenset(name for name in REPLACEMENTS if not hasattr(numpy, name))
     version = getattr(numpy, "__version__", "?")
     if not owners or not gone:
         why = "no numpy global" if not owners else "numpy %s has every name its checkpointing code calls" % version
-        return Evaluation(policy.Decision(False, "%s: %s" % (megatron, why), where=where), numpy, owners)
+        return Evaluation(Decision(False, "%s: %s" % (megatron, why), where=where), numpy, owners)
     missing: "set[str]" = set()
     callers = []
     for qualname, code in code_reading.defined_functions(module):
@@ -69,7 +70,7 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
             callers.append(qualname)
     if not missing:
         reason = "%s calls none of the names numpy %s removed" % (megatron, version)
-        return Evaluation(policy.Decision(False, reason, where=where), numpy, owners)
+        return Evaluation(Decision(False, reason, where=where), numpy, owners)
     names = sorted(missing)
     where = "%s: %s" % (where, ", ".join(callers))
     unavailable = [n for n in names if not callable(getattr(numpy, REPLACEMENTS[n], None))]
@@ -81,21 +82,21 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
             version,
             ", ".join(REPLACEMENTS[n] for n in unavailable),
         )
-        return Evaluation(policy.Decision(None, reason, where=where), numpy, owners, tuple(names), tuple(callers))
+        return Evaluation(Decision(None, reason, where=where), numpy, owners, tuple(names), tuple(callers))
     reason = "%s calls %s, which numpy %s no longer has: the numpy global of each module that calls it gives %s" % (
         megatron,
         called,
         version,
         ", ".join("numpy.%s under the name %s" % (REPLACEMENTS[n], n) for n in names),
     )
-    return Evaluation(policy.Decision(True, reason, where=where), numpy, owners, tuple(names), tuple(callers))
+    return Evaluation(Decision(True, reason, where=where), numpy, owners, tuple(names), tuple(callers))
 
 
 def is_applied(module: ModuleType) -> bool:
     return any(set(standin.overrides(value)) & set(REPLACEMENTS) for value in vars(module).values())
 
 
-def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.numpy is None:
         return ev.decision, is_applied(module)
@@ -108,7 +109,7 @@ def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
             continue  # already given (a re-import, or a second look)
         refused = standin.rebind(namespace, owner, numpy, overrides, why)
         if refused:
-            return policy.Decision(
+            return Decision(
                 True, "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
             ), False
     return ev.decision, True

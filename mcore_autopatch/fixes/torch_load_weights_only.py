@@ -32,7 +32,8 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Optional, Tuple
 
-from mcore_autopatch import code_reading, policy, standin
+from mcore_autopatch.shared import code_reading, standin, versions
+from mcore_autopatch.shared.values import Decision
 
 NAME = "torch_load_weights_only"
 OWN_ALLOWLIST_MODULE = "megatron.core.safe_globals"  # megatron-core 0.14+: its own choice
@@ -45,7 +46,7 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
         torch: Optional[ModuleType] = None,
         owners: Tuple[str, ...] = (),
         callers: Tuple[str, ...] = (),
@@ -78,10 +79,10 @@ def torch_default(torch: ModuleType) -> "tuple[Optional[bool], str]":
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
     where = code_reading.short_name(module.__name__)
-    megatron = policy.megatron_core_label()
+    megatron = versions.megatron_core_label()
     torch = sys.modules.get("torch")
     if torch is None:
-        return Evaluation(policy.Decision(False, "%s: torch is not imported" % megatron, where=where))
+        return Evaluation(Decision(False, "%s: torch is not imported" % megatron, where=where))
     owners = code_reading.globals_bound_to(module, torch, standin.real_module)
     callers = tuple(
         qualname
@@ -93,26 +94,26 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
     )
     if not callers:
         reason = "%s passes weights_only to every torch.load of its checkpointing code" % megatron
-        return Evaluation(policy.Decision(False, reason, where=where))
+        return Evaluation(Decision(False, reason, where=where))
     where = "%s: %s" % (where, ", ".join(callers))
     reads = "%s reads checkpoint files with torch.load and no weights_only" % megatron
     if OWN_ALLOWLIST_MODULE in sys.modules:
         reason = "%s, and registers its own allowlist with torch (%s): left to it" % (reads, OWN_ALLOWLIST_MODULE)
-        return Evaluation(policy.Decision(False, reason, where=where))
+        return Evaluation(Decision(False, reason, where=where))
     default, why = torch_default(torch)
     if default is None:
-        return Evaluation(policy.Decision(None, "%s; %s; not patching" % (reads, why), where=where))
+        return Evaluation(Decision(None, "%s; %s; not patching" % (reads, why), where=where))
     if not default:
-        return Evaluation(policy.Decision(False, "%s; %s, as that release expects" % (reads, why), where=where))
+        return Evaluation(Decision(False, "%s; %s, as that release expects" % (reads, why), where=where))
     if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE:
         reason = "%s; TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which torch applies whatever a call passes: not patching"
-        return Evaluation(policy.Decision(None, reason % reads, where=where))
+        return Evaluation(Decision(None, reason % reads, where=where))
     reason = (
         "%s; %s, which refuses the argparse.Namespace Megatron-LM keeps in common.pt: the torch.load of each module "
         "that reads them passes weights_only=False when a call passes none, as on the torch that release was "
         "written for" % (reads, why)
     )
-    return Evaluation(policy.Decision(True, reason, where=where), torch, tuple(sorted(owners)), callers)
+    return Evaluation(Decision(True, reason, where=where), torch, tuple(sorted(owners)), callers)
 
 
 def loading_whole_pickle_by_default(real_load: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,7 +133,7 @@ def is_applied(module: ModuleType) -> bool:
     return any("load" in standin.overrides(value) for value in vars(module).values())
 
 
-def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.torch is None:
         return ev.decision, is_applied(module)
@@ -144,5 +145,5 @@ def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
         refused = standin.rebind(namespace, owner, ev.torch, {"load": load}, "load() defaults to weights_only=False")
         if refused:
             reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
-            return policy.Decision(True, reason), False
+            return Decision(True, reason), False
     return ev.decision, True

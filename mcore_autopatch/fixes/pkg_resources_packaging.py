@@ -31,8 +31,10 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional
 
-from mcore_autopatch import code_reading, importhook, policy
-from mcore_autopatch._log import logger
+from mcore_autopatch import importhook
+from mcore_autopatch.shared import code_reading, versions
+from mcore_autopatch.shared.log import logger
+from mcore_autopatch.shared.values import Decision
 
 NAME = "pkg_resources_packaging"
 MODULES = (
@@ -101,7 +103,7 @@ class _WindowFinder:
             return importlib.util.spec_from_loader(PKG_RESOURCES, _StandInLoader(), origin="mcore-autopatch")
         window.served = "real"
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            hooks: importhook.Hooks = ((), ("mcore_autopatch.pkg_resources_fix:_after_real_pkg_resources",))
+            hooks: importhook.Hooks = ((), ("mcore_autopatch.fixes.pkg_resources_packaging:_after_real_pkg_resources",))
             spec.loader = importhook.CallbackLoader(spec.loader, fullname, hooks)
         return spec
 
@@ -229,7 +231,7 @@ def setuptools_provides() -> "tuple[str, str]":
 
 def _setuptools_version() -> str:
     try:
-        return str(policy._metadata_module().version("setuptools"))
+        return str(versions._metadata_module().version("setuptools"))
     except Exception:
         return "(unknown version)"
 
@@ -239,37 +241,35 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
     ) -> None:
         self.decision = decision
 
 
-def decide(name: str, imports: Optional[bool], served: Optional[str]) -> policy.Decision:
-    megatron = policy.megatron_core_label()
+def decide(name: str, imports: Optional[bool], served: Optional[str]) -> Decision:
+    megatron = versions.megatron_core_label()
     where = code_reading.short_name(name)
     if served == "stand-in":
         reason = (
             "%s imports pkg_resources, which the installed setuptools lacks: a stand-in holding only packaging "
             % (megatron)
         )
-        return policy.Decision(
-            True, reason + "answered that import, while the importing module's body ran", where=where
-        )
+        return Decision(True, reason + "answered that import, while the importing module's body ran", where=where)
     if served == "fallback":
         reason = (
             "%s imports packaging from pkg_resources, which has none in the installed setuptools (70.0 - 70.3): "
             % (megatron)
         )
-        return policy.Decision(True, reason + "it got packaging, while the importing module's body ran", where=where)
+        return Decision(True, reason + "it got packaging, while the importing module's body ran", where=where)
     if imports is False or served == "none":
-        return policy.Decision(False, "%s does not import pkg_resources" % megatron, where=where)
+        return Decision(False, "%s does not import pkg_resources" % megatron, where=where)
     if imports is None:
-        return policy.Decision(None, "%s: its code cannot be read" % megatron, where=where)
+        return Decision(None, "%s: its code cannot be read" % megatron, where=where)
     provides, words = setuptools_provides()
     if provides == "with packaging":
-        return policy.Decision(False, "%s imports pkg_resources; %s" % (megatron, words), where=where)
+        return Decision(False, "%s imports pkg_resources; %s" % (megatron, words), where=where)
     reason = "%s runs `from pkg_resources import packaging` at import; %s" % (megatron, words)
-    return policy.Decision(True, reason, where=where)
+    return Decision(True, reason, where=where)
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
@@ -292,7 +292,7 @@ def is_applied(module: ModuleType) -> bool:
     return _served.get(module.__name__) in ("stand-in", "fallback")
 
 
-def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     """After the module's body ran: what its window did (the window did the work)."""
     ev = evaluate(module, mode)
     return ev.decision, is_applied(module)

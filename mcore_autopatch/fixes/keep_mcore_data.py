@@ -33,7 +33,8 @@ import sys
 from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
-from mcore_autopatch import policy
+from mcore_autopatch.shared import versions
+from mcore_autopatch.shared.values import Decision
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
 TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -98,24 +99,14 @@ def read_finish(fs: ModuleType) -> FinishReading:
 def _is_dataclasses(obj: Any) -> bool:
     # standin is imported where a torch that rebuilds the Metadata is met (2.9 - 2.11), not at
     # every watched import.
-    from mcore_autopatch import standin
+    from mcore_autopatch.shared import standin
 
     return standin.real_module(obj) is dataclasses
 
 
-_STORE_ATTR = dis.opmap["STORE_ATTR"]
-
-
 def _attribute_stores(code: CodeType) -> "set[str]":
-    """The names ``code``'s STORE_ATTR instructions assign (its argument indexes co_names on
-    every CPython 3.8-3.13; instructions are two bytes, EXTENDED_ARG widens the next one)."""
-    raw, names, stored, extended = code.co_code, code.co_names, set(), 0
-    for i in range(0, len(raw) - 1, 2):
-        op, arg = raw[i], raw[i + 1] | extended
-        extended = arg << 8 if op == dis.EXTENDED_ARG else 0
-        if op == _STORE_ATTR and arg < len(names):
-            stored.add(names[arg])
-    return stored
+    """The names ``code``'s STORE_ATTR instructions assign (``obj.name = ...``)."""
+    return {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
 
 
 def stored_attributes(function: Any, names: Tuple[str, ...] = KNOWN_ATTRIBUTES) -> "set[str]":
@@ -159,7 +150,7 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
         fs: Optional[ModuleType] = None,
         metadata_type: Optional[type] = None,
         attributes: Tuple[str, ...] = (),
@@ -179,22 +170,22 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
     metadata_type = getattr(metadata_module, "Metadata", None)
     torch_label = "torch %s" % _torch_version()
     if fs is None or not isinstance(metadata_type, type):
-        return Evaluation(policy.Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
+        return Evaluation(Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
     finish = read_finish(fs)
     attributes = megatron_attributes(strategies_torch, metadata_type)
-    megatron = policy.megatron_core_label()
+    megatron = versions.megatron_core_label()
     if not attributes:
         reason = "%s sets no attribute of its own on the checkpoint Metadata" % megatron
-        return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
+        return Evaluation(Decision(False, reason), fs, metadata_type, attributes, finish)
     listed = " and ".join(attributes)
     if finish.drops is None:
         reason = "%s: %s; not patching (%s sets %s on the Metadata)" % (torch_label, finish.text, megatron, listed)
-        return Evaluation(policy.Decision(None, reason), fs, metadata_type, attributes, finish)
+        return Evaluation(Decision(None, reason), fs, metadata_type, attributes, finish)
     if not finish.drops:
         reason = "%s's %s, so %s set by %s are kept" % (torch_label, finish.text, listed, megatron)
-        return Evaluation(policy.Decision(False, reason), fs, metadata_type, attributes, finish)
+        return Evaluation(Decision(False, reason), fs, metadata_type, attributes, finish)
     reason = "%s's %s, dropping %s that %s sets on it" % (torch_label, finish.text, listed, megatron)
-    return Evaluation(policy.Decision(True, reason), fs, metadata_type, attributes, finish)
+    return Evaluation(Decision(True, reason), fs, metadata_type, attributes, finish)
 
 
 def _torch_version() -> str:
@@ -236,7 +227,7 @@ def kept_attributes(fs: Optional[ModuleType]) -> Tuple[str, ...]:
     return tuple(getattr(getattr(namespace.get("dataclasses"), "replace", None), MARK, ()))
 
 
-def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(strategies_torch: ModuleType, mode: str) -> "tuple[Decision, bool]":
     """Decide, and rebind the ``dataclasses`` global of the module torch's ``finish`` is
     defined in (torch's filesystem module) when needed."""
     ev = evaluate(strategies_torch, mode)
@@ -251,10 +242,10 @@ def apply(strategies_torch: ModuleType, mode: str) -> "tuple[policy.Decision, bo
     attributes = tuple(dict.fromkeys(kept_attributes(ev.fs) + ev.attributes))
     replace = keeping_replace(dataclasses.replace, ev.metadata_type, attributes)
     why = "replace() keeps %s on torch's Metadata" % ", ".join(attributes)
-    from mcore_autopatch import standin
+    from mcore_autopatch.shared import standin
 
     refused = standin.rebind(namespace, "dataclasses", dataclasses, {"replace": replace}, why)
     if refused:
         where = namespace.get("__name__", "torch's filesystem module")
-        return policy.Decision(True, "%s; but %s.%s, so it is left alone" % (decision.reason, where, refused)), False
+        return Decision(True, "%s; but %s.%s, so it is left alone" % (decision.reason, where, refused)), False
     return decision, True

@@ -1,30 +1,23 @@
 """Read what a module's functions do from their code objects: no file is read, nothing runs.
 
-Shared by the fixes that decide from megatron-core's own code (``numpy_fix``,
-``weights_only_fix``): which functions a module defines, which attributes of a global they
-load (``np.product``, ``torch.load``), and which names they mention. Only functions whose
-names already mention what is looked for are read instruction by instruction, from the raw
-bytecode, so reading a module costs little.
+Shared by the fixes that decide from megatron-core's own code (``numpy_removed_names``,
+``torch_load_weights_only``): which functions a module defines, which attributes of a global they
+load (``np.product``, ``torch.load``), and which names they mention. Only code objects whose
+names already mention what is looked for are read instruction by instruction (with ``dis``),
+so reading a module costs little.
 """
 
 from __future__ import annotations
 
 import dis
-import sys
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, Tuple
 
 _LOAD_ATTRIBUTE = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
-
-# Where an instruction's argument indexes co_names, by opcode: the shift that drops the flag
-# bits CPython packs below the index (LOAD_GLOBAL's push-NULL bit from 3.11, LOAD_ATTR's
-# method bit from 3.12). Read and tested on 3.8 - 3.13 against dis; elsewhere dis is used.
-_RAW_BYTECODE_KNOWN = sys.version_info < (3, 14)
-_GLOBAL_LOADS = {dis.opmap["LOAD_GLOBAL"]: 1 if sys.version_info >= (3, 11) else 0, dis.opmap["LOAD_NAME"]: 0}
-_ATTRIBUTE_LOADS = {dis.opmap["LOAD_ATTR"]: 1 if sys.version_info >= (3, 12) else 0}
-if dis.opmap.get("LOAD_METHOD", 256) < 256:  # 3.7 - 3.11 (3.12+ lists it only as a pseudo-op)
-    _ATTRIBUTE_LOADS[dis.opmap["LOAD_METHOD"]] = 0
-_CACHE = dis.opmap.get("CACHE", -1)  # 3.11+: inline cache entries between instructions
+_LOAD_GLOBAL = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
+# Widens the next instruction's argument (a name index past 255), or an inline cache entry
+# between instructions (3.11+): neither stands between a global's load and its attribute's.
+_NOT_AN_OPERATION = frozenset(("EXTENDED_ARG", "CACHE"))
 
 
 def defined_functions(module: ModuleType) -> "Iterator[Tuple[str, CodeType]]":
@@ -100,50 +93,22 @@ def _flat_constants(consts: Iterable[Any]) -> "Iterator[Any]":
 
 def attributes_loaded(code: CodeType, owners: FrozenSet[str], wanted: FrozenSet[str]) -> FrozenSet[str]:
     """Which of ``wanted`` ``code`` (or code nested in it) loads as ``<owner>.<name>``, for a
-    global named in ``owners`` (``np.product``: owners {"np"}, wanted {"product"})."""
+    global named in ``owners`` (``np.product``: owners {"np"}, wanted {"product"}).
+
+    Read with ``dis``, and only in code objects whose names hold both an owner and a wanted
+    name: most of a module is passed over by a set intersection."""
     found: "set[str]" = set()
     for current in nested(code):
         if owners.isdisjoint(current.co_names) or wanted.isdisjoint(current.co_names):
             continue
-        if _RAW_BYTECODE_KNOWN:
-            found |= _attributes_loaded_raw(current, owners, wanted)
-            continue
-        previous = None
+        owner_loaded = False
         for instruction in dis.get_instructions(current):
-            if (
-                instruction.opname in _LOAD_ATTRIBUTE
-                and instruction.argval in wanted
-                and previous is not None
-                and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-                and previous.argval in owners
-            ):
+            if instruction.opname in _NOT_AN_OPERATION:
+                continue
+            if owner_loaded and instruction.opname in _LOAD_ATTRIBUTE and instruction.argval in wanted:
                 found.add(instruction.argval)
-            if instruction.opname != "CACHE":
-                previous = instruction
+            owner_loaded = instruction.opname in _LOAD_GLOBAL and instruction.argval in owners
     return frozenset(found)
-
-
-def _attributes_loaded_raw(code: CodeType, owners: FrozenSet[str], wanted: FrozenSet[str]) -> "set[str]":
-    """``attributes_loaded`` of one code object, from its two-byte instructions (EXTENDED_ARG
-    widens the next one; CACHE entries are skipped): dis builds an object per instruction,
-    most of the time a fix took to read megatron-core 0.8's checkpointing code."""
-    raw, names, found = code.co_code, code.co_names, set()
-    owner_loaded, extended = False, 0
-    for i in range(0, len(raw) - 1, 2):
-        op, arg = raw[i], raw[i + 1] | extended
-        if op == dis.EXTENDED_ARG:
-            extended = arg << 8
-            continue
-        extended = 0
-        if op == _CACHE:
-            continue
-        if owner_loaded and op in _ATTRIBUTE_LOADS:
-            index = arg >> _ATTRIBUTE_LOADS[op]
-            if index < len(names) and names[index] in wanted:
-                found.add(names[index])
-        index = arg >> _GLOBAL_LOADS[op] if op in _GLOBAL_LOADS else -1
-        owner_loaded = 0 <= index < len(names) and names[index] in owners
-    return found
 
 
 def globals_bound_to(module: ModuleType, target: Any, unwrap: Any = None) -> FrozenSet[str]:

@@ -1,8 +1,10 @@
 """The table of fixes, and the two callbacks the import hook runs for all of them.
 
 Each fix names the modules whose execution triggers it, what it reads from torch's and the
-library's code, what it rebinds, and the module that implements it. An implementation has
-three functions, each taking one watched module:
+library's code and what it rebinds. It is implemented by the module of its name in this
+folder (``fixes/write_item.py`` for ``write_item``: the name ``status``, the logs and
+``MCORE_AUTOPATCH_SKIP`` use). An implementation has three functions, each taking one
+watched module:
 
 * ``evaluate(module, mode)``: read and decide, changing nothing (``status`` uses it too);
 * ``apply(module, mode)``: decide and rebind when needed; returns ``(decision, applied)``;
@@ -12,10 +14,10 @@ and, for a fix that must act while the module's body runs, ``before(module, mode
 returns what to call once the body has run.
 
 A new fix is one row here, its watched modules in the startup watch list of
-``mcore_autopatch/__init__.py`` (a test checks the two agree), its implementation and its
-tests. ``before_module_executes`` and ``on_module_executed`` are what ``importhook`` calls;
-they never raise. ``MCORE_AUTOPATCH_SKIP`` names fixes to leave out (they are still read and
-reported).
+``mcore_autopatch/__init__.py`` (a test checks the two agree), ``fixes/<name>.py`` and its
+tests; what several fixes share is in ``mcore_autopatch/shared/``. ``before_module_executes``
+and ``on_module_executed`` are what ``importhook`` calls; they never raise.
+``MCORE_AUTOPATCH_SKIP`` names fixes to leave out (they are still read and reported).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mcore_autopatch
-from mcore_autopatch import writers
-from mcore_autopatch._log import logger
-from mcore_autopatch._record import Record
+from mcore_autopatch.shared import writers
+from mcore_autopatch.shared.log import logger
+from mcore_autopatch.shared.values import Record
 
 STRATEGIES_TORCH = mcore_autopatch.IMPORTER_MODULE  # one name, in the startup watch list
 SKIP_ENV = "MCORE_AUTOPATCH_SKIP"
@@ -42,7 +44,7 @@ class Fix(Record):
 
     ``name``: what it fixes, as status, logs and MCORE_AUTOPATCH_SKIP name it; ``library``:
     the distribution whose modules are watched, as users know it; ``watches``: the modules
-    whose execution triggers it; ``implementation``: the module with evaluate / apply /
+    whose execution triggers it; its implementation, ``fixes/<name>.py``, has evaluate / apply /
     is_applied (and ``before`` when ``acts_while_executing``). ``importers``: modules that
     import a watched module at their top: when one executes and the watched module was
     loaded without our finder (a finder ahead of ours), the fix is applied then. ``gate``: a
@@ -54,7 +56,6 @@ class Fix(Record):
     __slots__ = (
         "acts_while_executing",
         "gate",
-        "implementation",
         "importers",
         "library",
         "name",
@@ -70,7 +71,6 @@ class Fix(Record):
         watches: Tuple[str, ...],
         reads: str,
         rebinds: str,
-        implementation: str,
         importers: Tuple[str, ...] = (),
         gate: str = "",
         acts_while_executing: bool = False,
@@ -80,7 +80,6 @@ class Fix(Record):
         self.watches = watches
         self.reads = reads
         self.rebinds = rebinds
-        self.implementation = implementation
         self.importers = importers
         self.gate = gate
         self.acts_while_executing = acts_while_executing
@@ -88,6 +87,11 @@ class Fix(Record):
     @property
     def key(self) -> str:
         return "%s %s" % (self.library, self.name)
+
+    @property
+    def implementation(self) -> str:
+        """The module that implements it: ``mcore_autopatch/fixes/<name>.py``, always."""
+        return "%s.%s" % (__name__, self.name)
 
     def implemented_by(self) -> Any:
         return importlib.import_module(self.implementation)
@@ -101,7 +105,6 @@ def _write_item_fix(writer: writers.KnownWriter) -> Fix:
         reads="torch's _write_item signature; %s's version and its writer's own _write_item call" % writer.name,
         rebinds="%s._write_item (module global): a caller of torch's that supplies the missing arguments"
         % writer.module,
-        implementation="mcore_autopatch.writer_fix",
         importers=writer.importers,
     )
 
@@ -116,7 +119,6 @@ FIXES: Tuple[Fix, ...] = (
         "attributes megatron-core's planner and async saver store on it (mcore_data, all_local_plans)",
         rebinds="torch.distributed.checkpoint.filesystem.dataclasses (module global): replace() then also "
         "carries those attributes over to the new Metadata",
-        implementation="mcore_autopatch.metadata_fix",
         gate="_torch_finish_may_rebuild_the_metadata",
     ),
     Fix(
@@ -126,7 +128,6 @@ FIXES: Tuple[Fix, ...] = (
         reads="whether megatron-core's get_reformulation_metadata reads Metadata.mcore_data",
         rebinds="%s.get_reformulation_metadata (module global) and TorchDistLoadShardedStrategy."
         "load_tensors_metadata: shapes recovered where provable, a clear error otherwise" % STRATEGIES_TORCH,
-        implementation="mcore_autopatch.load_guard",
     ),
     Fix(
         name="sharded_objects_planned_once",
@@ -136,7 +137,6 @@ FIXES: Tuple[Fix, ...] = (
         "(0.6 - 0.8), and whether torch's create_default_local_save_plan already plans them on every rank (2.4+)",
         rebinds="%s.MCoreSavePlanner._add_non_coordinator_iobytes_request: called only when the plan lacks one "
         "of the rank's objects, so each is planned once" % STRATEGIES_TORCH,
-        implementation="mcore_autopatch.planner_fix",
         gate="_planner_adds_its_own_requests",
     ),
     Fix(
@@ -150,7 +150,6 @@ FIXES: Tuple[Fix, ...] = (
         "numpy still has them (numpy 2 removed product, cumproduct, alltrue, sometrue)",
         rebinds="that module's np global: numpy itself, but for the removed names it calls, which are numpy's "
         "own replacements (numpy.prod for product)",
-        implementation="mcore_autopatch.numpy_fix",
         gate="_numpy_lacks_a_removed_name",
     ),
     Fix(
@@ -161,7 +160,6 @@ FIXES: Tuple[Fix, ...] = (
         "sharded objects); whether megatron-core registers its own allowlist; torch's default for weights_only",
         rebinds="that module's torch global: torch itself, but load() passes weights_only=False when a call "
         "passes none, as on the torch those releases were written for",
-        implementation="mcore_autopatch.weights_only_fix",
         gate="_megatron_may_load_without_weights_only",
     ),
     Fix(
@@ -179,7 +177,6 @@ FIXES: Tuple[Fix, ...] = (
         "setuptools provides it with packaging (read from pkg_resources' code, never imported)",
         rebinds="nothing afterwards: while that module's body runs, its `from pkg_resources import packaging` "
         "gets the installed packaging, and nothing else sees a pkg_resources",
-        implementation="mcore_autopatch.pkg_resources_fix",
         gate="_pkg_resources_may_lack_packaging",
         acts_while_executing=True,
     ),
@@ -189,7 +186,7 @@ FIXES: Tuple[Fix, ...] = (
 
 # --- gates: what rules a fix out without importing it -------------------------------------------
 
-# numpy 2 removed these aliases (numpy_fix.REPLACEMENTS says of what; a test checks they agree).
+# numpy 2 removed these aliases (numpy_removed_names.REPLACEMENTS says of what; a test checks they agree).
 REMOVED_BY_NUMPY_2 = ("product", "cumproduct", "alltrue", "sometrue")
 
 
@@ -204,7 +201,7 @@ def _numpy_lacks_a_removed_name(module: ModuleType) -> Optional[str]:
 
 
 # torch's module whose FileSystemWriter.finish the keep_mcore_data fix reads (and whose
-# ``dataclasses`` global it rebinds); metadata_fix.TORCH_FS_MODULE (a test checks they agree).
+# ``dataclasses`` global it rebinds); keep_mcore_data.TORCH_FS_MODULE (a test checks they agree).
 TORCH_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
 
@@ -212,7 +209,7 @@ def _torch_finish_may_rebuild_the_metadata(module: ModuleType) -> Optional[str]:
     finish = getattr(getattr(sys.modules.get(TORCH_FILESYSTEM), "FileSystemWriter", None), "finish", None)
     if finish is None:
         return None  # the fix says what it cannot read
-    from mcore_autopatch import code_reading
+    from mcore_autopatch.shared import code_reading
 
     names: "set[str]" = set()
     for code in code_reading.codes_of(finish):
@@ -241,7 +238,7 @@ def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]
     owners = {name for name, value in vars(module).items() if value is torch or type(value).__name__ == "ModuleStandIn"}
     if torch is None or not owners:
         return "megatron-core's code here does not hold torch"
-    from mcore_autopatch import code_reading
+    from mcore_autopatch.shared import code_reading
 
     # 0.11+ name weights_only in every function that loads: no bytecode needs reading then.
     for _name, code in code_reading.defined_functions(module):

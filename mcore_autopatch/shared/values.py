@@ -8,7 +8,7 @@ own ``__init__``, so that type checkers see each field and its default.
 
 from __future__ import annotations
 
-from typing import Any, Tuple, TypeVar
+from typing import Any, Optional, Tuple, TypeVar
 
 _R = TypeVar("_R", bound="Record")
 
@@ -39,3 +39,17 @@ class Record:
             raise TypeError("%s has no field %s" % (type(self).__name__, ", ".join(sorted(unknown))))
         values.update(changes)
         return type(self)(**values)
+
+
+class Decision(Record):
+    """``needed`` is None when it cannot be told; ``plan`` is set when the fix should be
+    applied. ``where``, for a fix over several modules: which module (and functions) the
+    reason is about, so that status states one reason once for all the modules it holds for."""
+
+    __slots__ = ("needed", "plan", "reason", "where")
+
+    def __init__(self, needed: Optional[bool], reason: str, plan: Any = None, where: str = "") -> None:
+        self.needed = needed
+        self.reason = reason
+        self.plan = plan
+        self.where = where

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, TextIO
 from mcore_autopatch import IMPORTER_MODULE, WRITER_MODULE
 
 PASSED, FAILED, CANNOT_RUN = 0, 1, 2
-KEY = "mcore_autopatch.selftest.weight"
+KEY = "mcore_autopatch.cli.selftest.weight"
 
 _YES_NO = {True: "yes", False: "no", None: "cannot tell"}
 
@@ -88,7 +88,7 @@ def run(out: Optional[TextIO] = None, folder: Optional[str] = None, err: Optiona
 def _run(streams: _Streams, folder: Optional[str]) -> int:
     started = time.perf_counter()
     try:
-        from mcore_autopatch.report import quiet_imports
+        from mcore_autopatch.cli.report import quiet_imports
 
         with quiet_imports():
             import torch
@@ -103,7 +103,7 @@ def _run(streams: _Streams, folder: Optional[str]) -> int:
         streams.verdict("cannot run: %s: %s" % (type(exc).__name__, exc))
         return CANNOT_RUN
 
-    from mcore_autopatch import report
+    from mcore_autopatch.cli import report
 
     info = report.status()  # the writer module is imported now: this is the fixes' state for the save
     streams.progress(
@@ -229,20 +229,22 @@ def _equal(torch: Any, loaded: Any, expected: Any) -> bool:
 
 def _lost_attributes(ckpt: str) -> "list[str]":
     """What megatron-core sets on the checkpoint Metadata but is missing from the file."""
-    from mcore_autopatch import checkpoint_metadata, fixes, metadata_fix
+    from mcore_autopatch import fixes
+    from mcore_autopatch.fixes import keep_mcore_data
+    from mcore_autopatch.shared import checkpoint_metadata
 
     module = sys.modules.get(fixes.STRATEGIES_TORCH)
-    metadata_type = getattr(sys.modules.get(metadata_fix.TORCH_METADATA_MODULE), "Metadata", None)
+    metadata_type = getattr(sys.modules.get(keep_mcore_data.TORCH_METADATA_MODULE), "Metadata", None)
     if module is None:
         return []
-    expected = metadata_fix.megatron_attributes(module, metadata_type)
+    expected = keep_mcore_data.megatron_attributes(module, metadata_type)
     written = checkpoint_metadata.read_metadata(ckpt)
     # all_local_plans only lets a resumed job skip one re-planning; mcore_data decides a resume.
     return [name for name in expected if name != "all_local_plans" and not hasattr(written, name)]
 
 
 def _metadata_fix_reason() -> str:
-    from mcore_autopatch import report
+    from mcore_autopatch.cli import report
 
     rows = [r for r in report.status().get("fixes", []) if r["fix"] == "keep_mcore_data"]
     return rows[0]["reason"] if rows else "see mcore-autopatch status"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from mcore_autopatch._record import Record
+from mcore_autopatch.shared.values import Record
 
 
 class KnownWriter(Record):

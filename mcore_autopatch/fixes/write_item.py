@@ -1,13 +1,27 @@
-"""Decide whether a known writer needs the fix, and what exactly it must supply.
+"""The fix: rebind a writer module's ``_write_item`` global to a safe caller of torch's.
 
-Three facts decide, all read from what is installed, never assumed:
+The known writers (``shared/writers.py``: megatron-core's and nvidia-resiliency-ext's
+``FileSystemWriterAsync.write_preloaded_data``) look ``_write_item`` up in their module's
+globals at call time, so rebinding that one name is the narrowest fix: no megatron, nvrx or
+torch function is re-implemented, the class and its methods stay as they are, and forked
+write workers inherit the rebinding. The safe caller adds only what a call
+lacks, judged per call: a default ``_StorageWriterTransforms()`` in front of the legacy
+four-argument call ``(stream, data, write_item, storage_key)``, and
+``serialization_format=SerializationFormat.TORCH_SAVE`` by keyword when it was passed
+neither by position nor by keyword. A call that is already complete (a job's own shim,
+megatron-core 0.13+ under ``force``) passes through unchanged.
+
+The table (``mcore_autopatch.fixes``) lists this fix once per known writer
+(``shared/writers.py``) and calls ``apply`` when the writer module has executed.
+
+How it decides, from what is installed, never assumed:
 
 * torch's ``_write_item`` signature, by parameter names (``read_signature``):
   ``(stream, data, write_item, storage_key)`` up to torch 2.6; ``transforms`` first from
   2.7 (with an optional ``safe_tensors`` 6th parameter in 2.7 that must never receive an
   argument: a truthy one skips ``torch.save`` and loses the tensor bytes); a required
   ``serialization_format`` from 2.8.
-* the writer's version (``writer_version``; the releases are in ``writers``): megatron-core
+* the writer's version (``shared/versions.py``; the releases are in ``shared/writers.py``): megatron-core
   before 0.12 calls ``_write_item(stream, data, write_item, storage_key)``, 0.12.x add the
   writer's ``transforms`` in front, 0.13 and later pass ``serialization_format`` themselves;
   nvidia-resiliency-ext 0.3.0 calls it as megatron-core 0.12 does, 0.4 passes it.
@@ -22,13 +36,16 @@ what gets written.
 from __future__ import annotations
 
 import inspect
-import re
 import sys
+import threading
 from types import CodeType, ModuleType
 from typing import Any, Callable, Optional, Tuple
 
-from mcore_autopatch._record import Record
-from mcore_autopatch.writers import MEGATRON_CORE, KnownWriter
+import mcore_autopatch
+from mcore_autopatch.shared import versions, writers
+from mcore_autopatch.shared.values import Decision, Record
+from mcore_autopatch.shared.versions import WriterVersion
+from mcore_autopatch.shared.writers import MEGATRON_CORE, KnownWriter
 
 LEGACY_PARAMS = ("stream", "data", "write_item", "storage_key")
 FORMAT_PARAM = "serialization_format"
@@ -126,203 +143,6 @@ def _plain_signature(sig: inspect.Signature) -> str:
     return str(sig.replace(parameters=params, return_annotation=sig.empty))
 
 
-# --- the writer's version --------------------------------------------------------------
-
-
-# A version in its canonical PEP 440 form ("0.12.1", "0.13.0rc0", "0.12.1.dev0+mindspeed"):
-# its release numbers are read without importing packaging (a millisecond at the watched
-# import of a release that has not imported it itself). Compiled on first use: a plain
-# "0.12.1", what releases carry, needs no pattern (0.3 ms to compile at a watched import).
-_CANONICAL = r"^(\d+(?:\.\d+)*)(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?$"
-
-
-def parse_release(version: Optional[str]) -> Optional[Tuple[int, ...]]:
-    """``"0.12.1"`` -> ``(0, 12, 1)``; ``None`` for anything that is not a version.
-
-    Uses ``packaging`` (a declared dependency); a plain ``X.Y[.Z]`` reading stands in
-    if it has gone missing, so a broken environment does not lose the fix.
-    """
-    if not version or not isinstance(version, str):
-        return None
-    parts = version.split(".")
-    if all(part.isascii() and part.isdigit() for part in parts):
-        return tuple(int(part) for part in parts)
-    canonical = re.match(_CANONICAL, version)
-    if canonical:  # what metadata holds; packaging reads the same release from it
-        return tuple(int(part) for part in canonical.group(1).split("."))
-    try:
-        from packaging.version import InvalidVersion, Version
-    except ImportError:
-        match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
-        return tuple(int(g) for g in match.groups() if g is not None) if match else None
-    try:
-        return tuple(Version(version).release)
-    except InvalidVersion:
-        return None
-
-
-class WriterVersion(Record):
-    """``source``: "metadata", "package_info", or why neither worked."""
-
-    __slots__ = ("release", "source", "version")
-
-    def __init__(self, version: Optional[str], release: Optional[Tuple[int, ...]], source: str) -> None:
-        self.version = version
-        self.release = release
-        self.source = source
-
-    @property
-    def known(self) -> bool:
-        return self.release is not None
-
-
-# writer name -> (weak references to its top package and its module as imported, the version
-# read for them):
-# several fixes of one library ask in the same import, and reading metadata costs ~0.4 ms.
-_versions: "dict[str, tuple[Any, Any, WriterVersion, bool]]" = {}
-
-
-def megatron_core_label() -> str:
-    """ "megatron-core 0.12.1": how every fix names the release in its reasons."""
-    return "megatron-core %s" % (writer_version(MEGATRON_CORE).version or "(unknown version)")
-
-
-def writer_version(writer: KnownWriter) -> WriterVersion:
-    """The installed version of ``writer``'s distribution: its metadata when that metadata
-    belongs to the code actually imported, else its ``package_info`` module. Read again
-    whenever the imported package or module is another object (a re-import, a new tree); a
-    writer module imported after the version was read (megatron-core's model code imports
-    first) keeps it: the read compared the metadata with the package imported then."""
-    import weakref
-
-    top = sys.modules.get(writer.module.split(".")[0])
-    module = sys.modules.get(writer.module)
-    cached = _versions.get(writer.name)
-    if cached is not None and top is not None and cached[0]() is top:
-        cached_module = cached[1]()
-        if cached_module is module or (cached_module is None and cached[3]):
-            if cached_module is None and module is not None:
-                _versions[writer.name] = (cached[0], weakref.ref(module), cached[2], False)
-            return cached[2]
-    version = _read_writer_version(writer)
-    try:
-        _versions[writer.name] = (
-            weakref.ref(top),
-            weakref.ref(module) if module is not None else lambda: None,
-            version,
-            module is None,  # read before the writer module was imported
-        )
-    except TypeError:  # not a module object (a test's stand-in): read it every time
-        _versions.pop(writer.name, None)
-    return version
-
-
-def _read_writer_version(writer: KnownWriter) -> WriterVersion:
-    meta_version, meta_matches = _from_metadata(writer)
-    if meta_version is not None and meta_matches and parse_release(meta_version):
-        return WriterVersion(meta_version, parse_release(meta_version), "metadata")
-    info_version = _from_package_info(writer.package_info)
-    if info_version is not None and parse_release(info_version):
-        return WriterVersion(info_version, parse_release(info_version), "package_info")
-    if meta_version is not None and parse_release(meta_version):
-        # Metadata of another copy than the one imported; still the best there is.
-        return WriterVersion(meta_version, parse_release(meta_version), "metadata (another copy)")
-    if writer.package_info:
-        why = "neither %s's distribution metadata nor %s gives a version" % (writer.name, writer.package_info)
-    else:
-        why = "%s's distribution metadata gives no version" % writer.name
-    return WriterVersion(meta_version or info_version, None, why)
-
-
-def _metadata_module() -> Any:
-    if sys.version_info < (3, 10):
-        try:
-            import importlib_metadata
-
-            return importlib_metadata
-        except ImportError:
-            pass
-    import importlib.metadata
-
-    return importlib.metadata
-
-
-def _from_metadata(writer: KnownWriter) -> "tuple[Optional[str], bool]":
-    """(version, whether that distribution holds the imported code of ``writer``)."""
-    try:
-        md = _metadata_module()
-        for name in writer.distributions:
-            try:
-                dist = md.distribution(name)
-                break
-            except md.PackageNotFoundError:
-                continue
-        else:
-            return None, False
-        version = _version_header(dist)
-        if not isinstance(version, str):
-            return None, False
-    except Exception:
-        return None, False
-    return version, _holds_loaded_code(dist, writer.module)
-
-
-def _version_header(dist: Any) -> Optional[str]:
-    """The ``Version:`` header of ``dist``'s metadata.
-
-    Read from the header lines only: ``dist.version`` parses megatron-core's whole 74 KB
-    METADATA (its long description) as an e-mail message, about 1.5 ms of time-to-fix.
-    """
-    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
-    if text:
-        headers = text.partition("\n\n")[0]  # not the long description's lines (read as text: "\n" only)
-        for line in headers.splitlines():
-            if not line.strip():
-                break  # end of the headers
-            if line.startswith("Version:"):
-                return line[len("Version:") :].strip() or None
-        return None
-    return dist.version  # type: ignore[no-any-return]
-
-
-def _holds_loaded_code(dist: Any, module_name: str) -> bool:
-    """Whether ``dist`` holds the file of ``module_name`` (or of its nearest imported
-    package) that this process actually imported."""
-    import os
-
-    parts = module_name.split(".")
-    for depth in range(len(parts), 0, -1):
-        loaded = getattr(sys.modules.get(".".join(parts[:depth])), "__file__", None)
-        if not loaded:
-            continue  # not imported yet, or a namespace package
-        relative, name = os.path.join(*parts[:depth]), os.path.basename(loaded)
-        if name.startswith("__init__."):
-            relative = os.path.join(relative, name)  # a package
-        else:
-            relative += os.path.splitext(name)[1]
-        try:
-            candidate = os.fspath(dist.locate_file(relative))
-            # The same file (two stats; realpath would lstat every folder of both paths).
-            return os.path.samefile(candidate, loaded)
-        except FileNotFoundError:
-            return False  # the distribution lists a file that is not there: another copy
-        except Exception:
-            return True
-    return True  # nothing imported to compare with
-
-
-def _from_package_info(module_name: Optional[str]) -> Optional[str]:
-    if not module_name:
-        return None
-    try:
-        import importlib
-
-        version = getattr(importlib.import_module(module_name), "__version__", None)
-        return version if isinstance(version, str) else None
-    except Exception:
-        return None
-
-
 # --- the writer's own call -------------------------------------------------------------
 
 FORMAT_NAMES = frozenset((FORMAT_PARAM, "SerializationFormat"))
@@ -365,7 +185,7 @@ NO_CALL_FOUND = CallEvidence()
 def read_call(module: ModuleType) -> CallEvidence:
     """How the functions defined in ``module`` call ``_write_item``. A module whose members
     cannot be walked gives no evidence (the version alone decides then), never an error."""
-    from mcore_autopatch import code_reading
+    from mcore_autopatch.shared import code_reading
 
     codes: "dict[str, list[CodeType]]" = {}  # a function and what its decorators wrap, together
     try:
@@ -397,20 +217,6 @@ class Plan(Record):
     def __init__(self, add_transforms: bool, add_format: bool) -> None:
         self.add_transforms = add_transforms
         self.add_format = add_format
-
-
-class Decision(Record):
-    """``needed`` is None when it cannot be told; ``plan`` is set when the fix should be
-    applied. ``where``, for a fix over several modules: which module (and functions) the
-    reason is about, so that status states one reason once for all the modules it holds for."""
-
-    __slots__ = ("needed", "plan", "reason", "where")
-
-    def __init__(self, needed: Optional[bool], reason: str, plan: Optional[Plan] = None, where: str = "") -> None:
-        self.needed = needed
-        self.reason = reason
-        self.plan = plan
-        self.where = where
 
 
 def decide(
@@ -485,3 +291,158 @@ def decide(
 
 def _is_torch_save(value: Any) -> bool:
     return getattr(value, "name", None) == "TORCH_SAVE" or value == "torch_save"
+
+
+# --- the rebinding ---------------------------------------------------------------------
+
+# Set on the safe caller; its value is our version. Checked instead of isinstance, so a
+# rebinding made by another copy of this package is recognised too.
+MARK = "__mcore_autopatch__"
+TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
+
+_lock = threading.Lock()  # guards the rebinding only; nothing is imported under it
+
+
+def is_safe_write_item(obj: object) -> bool:
+    return bool(getattr(obj, MARK, False))
+
+
+def make_safe_write_item(
+    original: Callable[..., Any],
+    plan: Plan,
+    signature: WriteItemSignature,
+    transforms_type: Optional[type],
+    torch_save: Any,
+) -> Callable[..., Any]:
+    """A caller of ``original`` that supplies what ``plan`` says a call may lack."""
+    transforms_cls: type = transforms_type or type(None)
+    add_transforms = plan.add_transforms and transforms_type is not None
+    # One no-extension transforms object, as torch's own writer keeps one per writer.
+    default_transforms = transforms_cls() if add_transforms else None
+    add_format = plan.add_format
+    format_index = signature.format_index
+    format_name = FORMAT_PARAM
+
+    legacy_arity = len(LEGACY_PARAMS)
+
+    def _write_item(*args: Any, **kwargs: Any) -> Any:
+        # Only the legacy four-argument call gets transforms in front: a call of any other
+        # shape is passed on as it is, so this never makes a 6th positional argument (on
+        # torch 2.7 that would be safe_tensors, and a truthy one drops the tensor bytes).
+        if add_transforms and len(args) == legacy_arity and not isinstance(args[0], transforms_cls):
+            args = (default_transforms, *args)
+        if add_format and format_name not in kwargs and (format_index is None or len(args) <= format_index):
+            kwargs[format_name] = torch_save
+        return original(*args, **kwargs)
+
+    _write_item.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(_write_item, MARK, mcore_autopatch.__version__)
+    _write_item.__doc__ = "mcore-autopatch: torch's _write_item, with %s supplied when a call lacks it." % (
+        " and ".join(n for n, on in (("transforms", add_transforms), (format_name, add_format)) if on)
+    )
+    return _write_item
+
+
+def torch_filesystem() -> Optional[ModuleType]:
+    module = sys.modules.get(TORCH_FS_MODULE)
+    if module is None:
+        try:
+            import torch.distributed.checkpoint.filesystem as module  # type: ignore[no-redef]
+        except Exception:
+            return None
+    return module
+
+
+def torch_save_member(fs: Optional[ModuleType]) -> Any:
+    return getattr(getattr(fs, "SerializationFormat", None), "TORCH_SAVE", None)
+
+
+def torch_has(fs: Optional[ModuleType]) -> Callable[[str], bool]:
+    def has(name: str) -> bool:
+        if name == "SerializationFormat":
+            return torch_save_member(fs) is not None
+        return isinstance(getattr(fs, name, None), type)
+
+    return has
+
+
+def torch_version() -> str:
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", None)
+    return str(version) if version is not None else "(unknown version)"
+
+
+class Evaluation:
+    """The decision for one writer module, with what applying it needs."""
+
+    __slots__ = ("call", "decision", "fs", "original", "signature")
+
+    def __init__(
+        self,
+        decision: Decision,
+        fs: Optional[ModuleType] = None,
+        original: Optional[Callable[..., Any]] = None,  # torch's own _write_item
+        signature: Optional[WriteItemSignature] = None,
+        call: Optional[CallEvidence] = None,  # what the writer's code shows of its call
+    ) -> None:
+        self.decision = decision
+        self.fs = fs
+        self.original = original
+        self.signature = signature
+        self.call = call
+
+
+def evaluate(writer: ModuleType, mode: str) -> Evaluation:
+    """Read torch's signature, the writer's version and its own call, and decide, changing nothing."""
+    known = writers.for_module(writer.__name__)
+    if known is None:
+        unknown = "%s is not a writer mcore-autopatch knows; not patching" % writer.__name__
+        return Evaluation(Decision(None, unknown))
+    fs = torch_filesystem()
+    original = getattr(fs, "_write_item", None)
+    if fs is None or original is None:
+        return Evaluation(Decision(None, "torch.distributed.checkpoint.filesystem has no _write_item; not patching"))
+    if "_write_item" not in vars(writer):
+        return Evaluation(
+            Decision(None, "%s has no _write_item global (an upstream rewrite?); not patching" % writer.__name__)
+        )
+    signature = read_signature(original)
+    call = read_call(writer)
+    version = versions.writer_version(known)
+    decision = decide(mode, version, signature, torch_version(), torch_has(fs), known, call)
+    return Evaluation(decision, fs, original, signature, call)
+
+
+def apply(writer: ModuleType, mode: str) -> "tuple[Decision, bool]":
+    """Decide, and rebind ``writer._write_item`` when the decision says so.
+
+    Returns the decision and whether the safe caller is in place afterwards.
+    """
+    ev = evaluate(writer, mode)
+    decision, original = ev.decision, ev.original
+    if decision.plan is None or original is None or ev.signature is None:
+        return decision, is_safe_write_item(vars(writer).get("_write_item"))
+    with _lock:
+        current = vars(writer).get("_write_item")
+        if is_safe_write_item(current):
+            return decision, True  # already ours: never stack a second wrapper
+        if current is not original:
+            name = "%s.%s" % (getattr(current, "__module__", "?"), getattr(current, "__qualname__", current))
+            return Decision(
+                decision.needed,
+                "%s; but %s._write_item is already %s (a job's own fix?), so it is left alone"
+                % (decision.reason, writer.__name__, name),
+            ), False
+        safe = make_safe_write_item(
+            original,
+            decision.plan,
+            ev.signature,
+            getattr(ev.fs, "_StorageWriterTransforms", None),
+            torch_save_member(ev.fs),
+        )
+        writer._write_item = safe  # type: ignore[attr-defined]
+    return decision, True
+
+
+def is_applied(writer: ModuleType) -> bool:
+    return is_safe_write_item(vars(writer).get("_write_item"))

@@ -157,12 +157,12 @@ def _run(argv: Optional[List[str]]) -> int:
     args = _parser().parse_args(argv)
     command = args.command or "status"
     if command == "selftest":
-        from mcore_autopatch import selftest
+        from mcore_autopatch.cli import selftest
 
         return selftest.run(folder=args.dir)
     if command in ("inspect", "repair"):
         return _checkpoint_command(command, args)
-    from mcore_autopatch import report
+    from mcore_autopatch.cli import report
 
     with report.quiet_imports():
         info = report.status(import_writer=True)
@@ -180,7 +180,8 @@ def _run(argv: Optional[List[str]]) -> int:
 def _checkpoint_command(command: str, args: argparse.Namespace) -> int:
     import sys
 
-    from mcore_autopatch import checkpoint_metadata, inspect_checkpoint, report
+    from mcore_autopatch.cli import inspect_checkpoint, report
+    from mcore_autopatch.shared import checkpoint_metadata
 
     try:
         with report.quiet_imports():

@@ -1,7 +1,7 @@
 """``status()``: what mcore-autopatch sees and decided in this interpreter, and ``check``.
 
 Read-only: it never applies the fix itself. With ``import_writer`` it imports each known
-writer module (``mcore_autopatch.writers``) that is installed, the normal way, so an active
+writer module (``mcore_autopatch.shared.writers``) that is installed, the normal way, so an active
 hook fires exactly as it would in a training job, and the answer reflects this interpreter
 as it was started. megatron-core's answer is also given at the top level of the dict, under
 the keys scripts have read since 0.1.0.
@@ -16,8 +16,9 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mcore_autopatch
-from mcore_autopatch import fixes, policy
-from mcore_autopatch.writers import KNOWN_WRITERS, KnownWriter
+from mcore_autopatch import fixes
+from mcore_autopatch.shared import versions
+from mcore_autopatch.shared.writers import KNOWN_WRITERS, KnownWriter
 
 WRITE_ITEM_FIX = {f.watches[0]: f for f in fixes.FIXES if f.name == "write_item"}
 
@@ -100,7 +101,7 @@ def installed_by(finder: Any, pth: Optional[str], pth_processed: bool) -> Option
 
 def _dist_version(name: str) -> Optional[str]:
     try:
-        return str(policy._metadata_module().version(name))
+        return str(versions._metadata_module().version(name))
     except Exception:
         return None
 
@@ -129,7 +130,7 @@ def _is_part_of(missing: Optional[str], module: str) -> bool:
 
 def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[str, Any]:
     """What is known and decided about one known writer in this interpreter."""
-    version = policy.writer_version(known)
+    version = versions.writer_version(known)
     row: Dict[str, Any] = {
         "name": known.name,
         "module": known.module,
@@ -170,15 +171,15 @@ def writer_status(known: KnownWriter, import_writer: bool, mode: str) -> Dict[st
             row["reason"] = "cannot import %s's writer module: %s" % (known.name, problem)
         return row
 
-    from mcore_autopatch import writer_fix
+    from mcore_autopatch.fixes import write_item
 
-    ev = writer_fix.evaluate(writer, "auto" if mode == "off" else mode)
+    ev = write_item.evaluate(writer, "auto" if mode == "off" else mode)
     current = vars(writer).get("_write_item")
     row.update(installed=True, imported=True)
     row["writer_code"] = ev.call.text if ev.call else None
     row["torch_write_item"] = ev.signature.text if ev.signature else None
     row["needed"] = ev.decision.needed
-    row["applied"] = writer_fix.is_safe_write_item(current)
+    row["applied"] = write_item.is_safe_write_item(current)
     reason = ev.decision.reason
     if ev.decision.needed and not row["applied"] and ev.original is not None and current is not ev.original:
         reason += "; %s._write_item has been replaced by %s" % (writer.__name__, _name(current))

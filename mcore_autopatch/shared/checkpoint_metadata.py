@@ -4,7 +4,7 @@ megatron-core 0.8+ saves a ``ShardedTensor`` with a ``flattened_range`` (the dis
 optimizer's ``optimizer.state.<state>.<param key>`` tensors) reformulated: a global shape
 ``[X, Y]`` with local chunks ``[x, y]`` is stored as ``[X // x, Y // y, x * y]`` with chunks
 ``[1, 1, n]``. The original ``[X, Y]`` is kept only in ``Metadata.mcore_data``. When that is
-lost (torch 2.9-2.11, see ``metadata_fix``), the original shape can still be *proved* in
+lost (torch 2.9-2.11, see ``fixes/keep_mcore_data.py``), the original shape can still be *proved* in
 two ways, and this module never guesses beyond them:
 
 * the tensor being loaded has the same reformulated shape as the saved one: megatron-core

@@ -17,7 +17,7 @@ import shutil
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from mcore_autopatch import checkpoint_metadata as cm
+from mcore_autopatch.shared import checkpoint_metadata as cm
 
 BACKUP_SUFFIX = ".before-mcore-autopatch-repair"
 OK, NOT_PROVABLE, CANNOT_RUN = 0, 1, 2
@@ -172,7 +172,8 @@ def repair(folder: str, dry_run: bool = False) -> Tuple[int, List[str]]:
 def guard_state() -> Optional[Dict[str, Any]]:
     """The load guard's row of ``status`` in this interpreter (importing megatron-core's
     strategies the normal way, so an active hook applies it), or None without megatron."""
-    from mcore_autopatch import fixes, report
+    from mcore_autopatch import fixes
+    from mcore_autopatch.cli import report
 
     try:
         __import__(fixes.STRATEGIES_TORCH)

@@ -1,6 +1,6 @@
 """Loading checkpoints that lack ``mcore_data``: recover what is provable, else fail clearly.
 
-Checkpoints saved by megatron-core 0.8-0.14 on torch 2.9-2.11 without ``metadata_fix``
+Checkpoints saved by megatron-core 0.8-0.14 on torch 2.9-2.11 without ``keep_mcore_data``
 have no ``mcore_data`` in their ``.metadata``. megatron-core then fails a resume with
 ``AttributeError: 'Metadata' object has no attribute 'mcore_data'`` in
 ``get_reformulation_metadata``, and ``load_tensors_metadata`` describes N-D flattened
@@ -29,7 +29,8 @@ import copy
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional
 
-from mcore_autopatch import policy
+from mcore_autopatch.shared import versions
+from mcore_autopatch.shared.values import Decision
 
 # checkpoint_metadata is imported where a checkpoint without mcore_data is met, not at the
 # watched import: most processes never load one.
@@ -66,7 +67,7 @@ class Evaluation:
 
     def __init__(
         self,
-        decision: policy.Decision,
+        decision: Decision,
     ) -> None:
         self.decision = decision
 
@@ -84,19 +85,17 @@ def reads_mcore_data(function: Any) -> bool:
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    label = policy.megatron_core_label()
+    label = versions.megatron_core_label()
     function = vars(module).get("get_reformulation_metadata")
     if function is None or not reads_mcore_data(function):
-        return Evaluation(policy.Decision(False, "%s does not read mcore_data when loading" % label))
+        return Evaluation(Decision(False, "%s does not read mcore_data when loading" % label))
     missing = tuple(name for name in NEEDED_NAMES if name not in vars(module))
     strategy = vars(module).get(STRATEGY_CLASS)
     if missing or strategy is None or "load_tensors_metadata" not in vars(strategy):
         names = ", ".join(missing or (STRATEGY_CLASS + ".load_tensors_metadata",))
-        return Evaluation(
-            policy.Decision(None, "%s reads mcore_data, but its loader lacks %s; not patching" % (label, names))
-        )
+        return Evaluation(Decision(None, "%s reads mcore_data, but its loader lacks %s; not patching" % (label, names)))
     return Evaluation(
-        policy.Decision(
+        Decision(
             True,
             "%s needs mcore_data to load N-D flattened tensors; checkpoints saved without it (torch 2.9-2.11) "
             "are loaded where their shapes can be proved, and refused with the cause otherwise" % label,
@@ -110,7 +109,7 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
 def recover_reformulation(module: ModuleType, sharded_state_dict: Any, metadata: Any, folder: Any) -> Dict[str, Any]:
     """``get_reformulation_metadata``'s answer for a checkpoint without ``mcore_data``, from
     what can be proved; raises megatron-core's ``CheckpointingException`` otherwise."""
-    from mcore_autopatch import checkpoint_metadata as cm
+    from mcore_autopatch.shared import checkpoint_metadata as cm
 
     entries = cm.tensor_entries(metadata)
     result: Dict[str, Any] = {}
@@ -172,7 +171,7 @@ def guard_load_tensors_metadata(module: ModuleType, original: Callable[..., Any]
             metadata = module.FileSystemReader(checkpoint_dir).read_metadata()
         if isinstance(getattr(metadata, "mcore_data", None), dict):
             return original(self, checkpoint_dir, metadata)
-        from mcore_autopatch import checkpoint_metadata as cm
+        from mcore_autopatch.shared import checkpoint_metadata as cm
 
         tensors = cm.classify(metadata)
         unknown = [t.key for t in tensors if t.kind == "unknown"]
@@ -209,7 +208,7 @@ def is_applied(module: ModuleType) -> bool:
     )
 
 
-def apply(module: ModuleType, mode: str) -> "tuple[policy.Decision, bool]":
+def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed:
         return ev.decision, is_applied(module)
