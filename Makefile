@@ -7,23 +7,27 @@ MAKEFLAGS += --no-print-directory
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
 
-.PHONY: demo test test-quick test-env gpu-check gpu-check-prepare wheel lint bench compat-table clean
+.PHONY: demo test test-matrix test-env test-matrix-env gpu-check gpu-check-prepare wheel lint bench compat-table clean
 
 demo:
 	@$(PYTHON) tools/demo.py
 
+# The everyday tier (README, CI first): ruff, then every test not marked `matrix`, on torch
+# 2.13.0 (the CPU wheel on this disk) and its numpy 2 clone. About 2 GB of environments.
 test-env:
-	@$(PYTHON) tools/envs.py
+	@$(PYTHON) tools/envs.py everyday
 
 test: test-env
 	@$(TOOLS) -m ruff check .
-	@$(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
+	@MCORE_AUTOPATCH_TEST_TIER=everyday $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider -m "not matrix"
 
-# The inner loop: everything on torch 2.13.0 (the CPU wheel); the real CUDA torch releases and
-# the seed stack are skipped. CI runs `make test`.
-test-quick: test-env
-	@$(TOOLS) -m ruff check .
-	@MCORE_AUTOPATCH_TEST_TORCH=2.13.0 $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider
+# The full matrix (CI second): the real CUDA torch releases, numpy 1.26, CPython 3.12, the
+# seed stack with Ray, the other CPythons, the release sweeps. About 29 GB of environments.
+test-matrix-env:
+	@$(PYTHON) tools/envs.py
+
+test-matrix: test-matrix-env
+	@MCORE_AUTOPATCH_TEST_TIER=matrix $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider -m matrix
 
 # The GPU variants of the end-to-end tests, for a machine with a GPU and no registry:
 # prepare .gpu-check/ here, carry it, run `make gpu-check` there (tools/gpu_check.sh).

@@ -54,6 +54,52 @@ FIXED_IMPORT_ONLY = ["0.14.0", "0.15.3", "0.16.1"]
 REFERENCE = envs.REFERENCE_MEGATRON  # native serialization_format support: the byte oracle
 
 
+# --- the two tiers ---------------------------------------------------------------------
+# `make test` (the everyday tier, MCORE_AUTOPATCH_TEST_TIER=everyday) runs every test that is
+# not marked ``matrix``, on torch 2.13.0 (the CPU wheel on this disk) and its numpy 2 venv;
+# `make test-matrix` runs the rest: every other torch, numpy 1.26 fresh venvs, CPython 3.12,
+# the seed stack with Ray, the other CPythons, and the release sweeps. A test is in the matrix
+# when it is marked so, when its ``torch_release`` is another venv, or when it needs one of
+# the matrix's interpreters (docs/testing.md says which tier proves which cell).
+TIER_ENV = "MCORE_AUTOPATCH_TEST_TIER"
+EVERYDAY = "everyday"
+MATRIX_FIXTURES = {"other_python", "seed_python"}
+
+
+def everyday_venv_keys() -> "set[str]":
+    return {CPU_TORCH, fresh_key(CPU_TORCH, "numpy2")}
+
+
+def in_matrix(item: Any) -> bool:
+    if item.get_closest_marker("matrix") is not None:
+        return True
+    # A module's MATRIX_CELLS: its tests (by name) or parametrized cells (name[id]) that the
+    # everyday tier leaves to the matrix (more releases or variants of what it proves once).
+    cells = getattr(getattr(item, "module", None), "MATRIX_CELLS", ())
+    if item.name in cells or getattr(item, "originalname", None) in cells:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    torch = params.get("torch_release")
+    if torch is not None and torch not in everyday_venv_keys():
+        return True
+    return not MATRIX_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the mark must be there by then
+def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
+    for item in items:
+        if in_matrix(item):
+            item.add_marker(pytest.mark.matrix)
+
+
+def missing_environment(what: str) -> None:
+    """Skip a test whose environment is not built; in the everyday tier, where every test's
+    environment is built by `make test`, that is a misfiled test: fail and say so."""
+    if os.environ.get(TIER_ENV) == EVERYDAY:
+        pytest.fail("%s, which `make test` does not build: mark the test `matrix` (tests/conftest.py)" % what)
+    pytest.skip(what)
+
+
 COMPAT_RESULTS = os.path.join(envs.CACHE, "compat-results.json")
 COMPAT_ENVIRONMENTS = os.path.join(envs.CACHE, "compat-environments.json")
 _compat: Dict[str, Dict[str, List[str]]] = {}
@@ -83,6 +129,8 @@ def pytest_configure(config: Any) -> None:
                 sources[fresh_key(release, line)] = envs.fresh_folder(release, line)
     if envs.py312_ready() and envs.PY312_TORCH in selected_torch_releases():
         sources[PY312] = envs.PY312
+    if os.environ.get(TIER_ENV) == EVERYDAY:  # only what its tests use, even where more is built
+        sources = {key: folder for key, folder in sources.items() if key in everyday_venv_keys()}
 
     def clone_with_wheel(name: str) -> str:
         return install_wheel(envs.clone_venv(sources[name], os.path.join(run_dir, "venv-" + name)), wheel)
@@ -107,7 +155,7 @@ def fresh_key(release: str, numpy_line: str) -> str:
 
 def selected_torch_releases() -> List[str]:
     """The real torch releases this run covers: all of envs.TORCH_MATRIX, or those named in
-    ``MCORE_AUTOPATCH_TEST_TORCH`` (``make test-quick`` names none of them: 2.13.0 only)."""
+    ``MCORE_AUTOPATCH_TEST_TORCH`` (naming none of them: 2.13.0 only)."""
     chosen = os.environ.get(TORCH_SELECTION_ENV)
     if chosen is None:
         return list(envs.TORCH_MATRIX)
@@ -201,19 +249,26 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
             sys.stderr.write("\nERROR: a test installed mcore-autopatch into cached venvs: %s\n" % polluted)
             session.exitstatus = 1
     option = session.config.option
-    if _is_worker(session.config) or not _compat or option.keyword or option.markexpr:
-        return  # only a full run (``make test``) rewrites the table's results
+    if _is_worker(session.config) or not _compat or option.keyword or TIER_ENV not in os.environ:
+        return  # only a tier's whole run (``make test``, ``make test-matrix``) rewrites its results
     if TORCH_SELECTION_ENV in os.environ:
         return
     summary = {
         version: {torch: {what: _verdict(o) for what, o in checks.items()} for torch, checks in by_torch.items()}
         for version, by_torch in _compat.items()
     }
-    with open(COMPAT_RESULTS, "w") as f:
+    with open(tier_file(COMPAT_RESULTS), "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
     keys = {key for by_key in summary.values() for key in by_key}
-    with open(COMPAT_ENVIRONMENTS, "w") as f:
+    with open(tier_file(COMPAT_ENVIRONMENTS), "w") as f:
         json.dump({key: envs.described(venv_folder(key)) for key in sorted(keys)}, f, indent=1, sort_keys=True)
+
+
+def tier_file(path: str) -> str:
+    """``compat-results.json`` -> ``compat-results-everyday.json``: each tier keeps its own;
+    tools/compat_table.py reads them together."""
+    stem, ext = os.path.splitext(path)
+    return "%s-%s%s" % (stem, os.environ[TIER_ENV], ext)
 
 
 def venv_folder(key: str) -> str:
@@ -252,7 +307,7 @@ def torch_python(wheel_path: str) -> Callable[[str], str]:
             if release.split("-")[0] not in [*selected_torch_releases(), CPU_TORCH] and release != PY312:
                 chosen = os.environ[TORCH_SELECTION_ENV]
                 pytest.skip("torch %s not selected for this run (%s=%r)" % (release, TORCH_SELECTION_ENV, chosen))
-            pytest.skip("venv %s missing: run `make test-env` (python3 tools/envs.py)" % release)
+            missing_environment("venv %s missing: run `make test-matrix-env` (python3 tools/envs.py)" % release)
         return str(venvs[release])
 
     return get
@@ -268,15 +323,15 @@ def python_without_wheel(wheel_path: str) -> Callable[[str], str]:
             return envs.venv_python(envs.E2E)
         if release == PY312:
             if not envs.py312_ready() or envs.PY312_TORCH not in selected_torch_releases():
-                pytest.skip("the CPython 3.12 venv is not part of this run")
+                missing_environment("the CPython 3.12 venv is not part of this run")
             return envs.venv_python(envs.PY312)
         torch, _, line = release.partition("-")
         if line:
             if not envs.fresh_ready(torch, line) or (torch != CPU_TORCH and torch not in selected_torch_releases()):
-                pytest.skip("fresh venv %s not part of this run" % release)
+                missing_environment("fresh venv %s not part of this run" % release)
             return envs.venv_python(envs.fresh_folder(torch, line))
         if release not in selected_torch_releases() or not envs.torch_ready(release):
-            pytest.skip("torch %s venv not part of this run" % release)
+            missing_environment("torch %s venv not part of this run" % release)
         return envs.venv_python(envs.torch_venv_folder(release))
 
     return get
@@ -308,7 +363,7 @@ def checkout_for_make(work: "os.PathLike[str] | str") -> str:
 def mcore_folder(version: str) -> str:
     folder = envs.mcore_folder(version)
     if not os.path.isdir(folder):
-        pytest.skip("megatron-core %s folder missing: run `python3 tools/envs.py mcore`" % version)
+        missing_environment("megatron-core %s folder missing: run `python3 tools/envs.py mcore`" % version)
     return folder
 
 

@@ -398,3 +398,15 @@ def test_import_situation_fails_with_mcore_autopatch_off(e2e_python, e2e_site_pa
     if case == "late_install":
         assert result["first_install"] is False
         assert result["finders"] == []
+
+
+# Each import situation runs with the package in the everyday tier; most of its twins with
+# MCORE_AUTOPATCH=0 (which show the situation really needs the fix) and 0.9.0's shims run
+# in the matrix.
+MATRIX_CELLS = {
+    "test_verl_style_method_replacement_after_ours_saves_with_the_jobs_code[0.9.0]",
+    "test_swift_style_keyword_shim_over_ours_saves_without_multiple_values[0.9.0]",
+    "test_startup_flag_still_processes_site_packages_pth_and_saves[-E]",
+    "test_startup_flag_still_processes_site_packages_pth_and_saves[-s]",
+    *("test_import_situation_fails_with_mcore_autopatch_off[%s]" % case for case in OFF_CASES if case != "threads"),
+}

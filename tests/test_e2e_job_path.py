@@ -240,6 +240,7 @@ def test_native_release_loses_mcore_data_without_the_wheel_and_keeps_it_with_it(
     assert all(rank["loaded_metadata_reused"] for rank in resume["ranks"])
 
 
+@pytest.mark.matrix
 def test_persistent_worker_job_saves_and_resumes_on_torch_2_9(torch_python):
     """Megatron-LM's --async-ckpt-use-persistent-worker: the writes happen in a spawned
     process (which imports megatron afresh), the Metadata is finished in the rank."""
@@ -263,6 +264,7 @@ def lost_checkpoint(python_without_wheel: Callable[[str], str], *args: str) -> D
     return lost
 
 
+@pytest.mark.matrix
 def test_checkpoint_without_mcore_data_resumes_where_its_shapes_are_provable(torch_python, python_without_wheel):
     root = lost_checkpoint(python_without_wheel)["root"]
     python = torch_python(LOST_TORCH)
@@ -277,6 +279,7 @@ def test_checkpoint_without_mcore_data_resumes_where_its_shapes_are_provable(tor
     assert not today["ok"] and MISSING_MCORE_DATA in today["error"]
 
 
+@pytest.mark.matrix
 def test_checkpoint_without_mcore_data_or_its_model_fails_clearly_in_another_layout(torch_python, python_without_wheel):
     root = lost_checkpoint(python_without_wheel, "--state", "optimizer-only")["root"]
     python = torch_python(LOST_TORCH)
@@ -301,6 +304,7 @@ def _digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.mark.matrix
 def test_inspect_and_repair_a_checkpoint_without_mcore_data(torch_python, python_without_wheel):
     python = torch_python(LOST_TORCH)
     folder = os.path.join(copy_of(lost_checkpoint(python_without_wheel)["root"]), "iter_0000003")
@@ -326,6 +330,7 @@ def test_inspect_and_repair_a_checkpoint_without_mcore_data(torch_python, python
     assert resume["ok"], job_failure(resume)
 
 
+@pytest.mark.matrix
 def test_repair_refuses_what_it_cannot_prove_and_changes_nothing(torch_python, python_without_wheel):
     python = torch_python(LOST_TORCH)
     root = copy_of(lost_checkpoint(python_without_wheel, "--state", "optimizer-only")["root"])
@@ -363,6 +368,7 @@ def _tensor_shapes(python: str, folder: str, **env: str) -> Dict[str, Any]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.matrix
 def test_load_tensors_metadata_never_describes_a_wrong_shape(torch_python, python_without_wheel):
     python = torch_python(LOST_TORCH)
     key = "optimizer.state.exp_avg.embedding.word_embeddings.weight"

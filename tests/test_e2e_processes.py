@@ -271,3 +271,23 @@ def test_torchrun_style_single_rank_saves_with_the_wheel(run_job, reference_dige
 def test_torchrun_style_single_rank_fails_without_the_fix(run_job):
     result = run_job("0.12.1", env=torchrun_env(MCORE_AUTOPATCH="0"))
     assert_fails_unfixed(result, "0.12.1")
+
+
+# The everyday tier runs each process kind once on 0.12.1; 0.9.0's, 0.12.3's, the second
+# thread count and forkserver run in the matrix.
+MATRIX_CELLS = {
+    "test_forked_write_workers_at_each_thread_count_write_native_bytes[0.9.0-1]",
+    "test_forked_write_workers_at_each_thread_count_write_native_bytes[0.9.0-4]",
+    "test_forked_write_workers_at_each_thread_count_write_native_bytes[0.12.1-4]",
+    "test_forked_write_workers_fail_without_the_fix[0.9.0]",
+    "test_two_gloo_ranks_save_shards_byte_identical_to_native[0.9.0]",
+    "test_persistent_worker_saves_with_the_wheel[0.12.3]",
+    "test_persistent_worker_fails_without_the_fix[0.12.3]",
+    "test_save_function_in_a_fresh_interpreter_saves_with_the_wheel[0.12.3-spawn]",
+    "test_save_function_in_a_fresh_interpreter_saves_with_the_wheel[0.12.3-forkserver]",
+    "test_save_function_in_a_fresh_interpreter_saves_with_the_wheel[0.12.1-forkserver]",
+    "test_save_function_in_a_fresh_interpreter_fails_without_the_fix[0.12.3-spawn]",
+    "test_save_function_in_a_fresh_interpreter_fails_without_the_fix[0.12.3-forkserver]",
+    "test_save_function_in_a_fresh_interpreter_fails_without_the_fix[0.12.1-forkserver]",
+    "test_torchrun_style_single_rank_saves_with_the_wheel[0.9.0]",
+}

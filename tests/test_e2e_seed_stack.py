@@ -29,7 +29,7 @@ MISSING_FORMAT = "_write_item() missing 1 required positional argument: 'seriali
 def seed_python(wheel_path: str) -> str:
     python = os.environ.get(SEED_VENV_ENV)
     if not python:
-        pytest.skip("the seed-stack venv is missing: run `make test-env` (python3 tools/envs.py seed)")
+        pytest.skip("the seed-stack venv is missing: run `make test-matrix-env` (python3 tools/envs.py seed)")
     return python
 
 

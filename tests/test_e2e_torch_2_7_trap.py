@@ -24,6 +24,7 @@ JOB = os.path.join(ROOT, "examples", "checkpoint_job.py")
 TORCH_2_7 = "2.7.1"
 
 
+@pytest.mark.matrix
 def test_truthy_sixth_positional_drops_the_tensor_bytes_on_real_torch_2_7_1(torch_python):
     """The hazard the design avoids, with torch's own _write_item (no megatron, no fix)."""
     proc = run_python(torch_python(TORCH_2_7), [HAZARD], clean_env())

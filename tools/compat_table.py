@@ -1,8 +1,9 @@
 """Render the compatibility tables (docs/compatibility.md) from the last full test run.
 
-`make test` leaves .cache/compat-results.json: for each writer release (a megatron-core
-version, or "nvidia-resiliency-ext 0.3.0") and each torch release, what the tests marked
-``@pytest.mark.compat(version, what)`` verified there, and whether it passed.
+`make test` and `make test-matrix` each leave .cache/compat-results-<tier>.json: for each
+writer release (a megatron-core version, or "nvidia-resiliency-ext 0.3.0") and each torch
+release, what the tests marked ``@pytest.mark.compat(version, what)`` verified there, and
+whether it passed.
 `python3 tools/compat_table.py` prints the tables; `--update` rewrites the block between
 the compat markers in docs/compatibility.md (`make compat-table`).
 
@@ -39,6 +40,7 @@ RESUME_CHECKS = (
 )
 MATRIX_CHECKS = SAVE_CHECKS + RESUME_CHECKS
 ENVIRONMENTS = os.path.join(ROOT, ".cache", "compat-environments.json")
+TIERS = ("everyday", "matrix")  # tests/conftest.py: `make test`, `make test-matrix`
 
 Results = Dict[str, Dict[str, Dict[str, str]]]  # release -> venv key -> what -> passed/failed/skipped
 # venv key ("2.9.0", "2.9.0-numpy2", "py312") -> {"torch", "python", "numpy", "setuptools"}
@@ -155,18 +157,39 @@ def render(results: Results, envs: Environments) -> str:
     )
 
 
+def tier_files(path: str) -> "list[str]":
+    """``compat-results.json`` -> the ``compat-results-<tier>.json`` files that exist."""
+    stem, ext = os.path.splitext(path)
+    return [f for f in ("%s-%s%s" % (stem, tier, ext) for tier in TIERS) if os.path.exists(f)]
+
+
+def merged(paths: "list[str]") -> Dict[str, Dict[str, Dict[str, str]]]:
+    """The tiers' results together; a check that failed in one tier stays failed."""
+    out: Dict[str, Dict[str, Dict[str, str]]] = {}
+    for path in paths:
+        with open(path) as f:
+            for version, by_key in json.load(f).items():
+                for key, checks in by_key.items():
+                    cell = out.setdefault(version, {}).setdefault(key, {})
+                    for what, verdict in checks.items():
+                        if cell.get(what) != "failed" and (cell.get(what) != "passed" or verdict == "failed"):
+                            cell[what] = verdict
+    return out
+
+
 def main(argv: "list[str]") -> int:
-    try:
-        with open(RESULTS) as f:
-            results = json.load(f)
-    except OSError:
-        print("no %s: run `make test` first" % os.path.relpath(RESULTS, ROOT), file=sys.stderr)
+    paths = tier_files(RESULTS)
+    if not paths:
+        print(
+            "no %s: run `make test` first" % os.path.relpath(RESULTS, ROOT).replace(".json", "-<tier>.json"),
+            file=sys.stderr,
+        )
         return 1
-    try:
-        with open(ENVIRONMENTS) as f:
-            environments = json.load(f)
-    except OSError:
-        environments = {}
+    results = merged(paths)
+    environments: Environments = {}
+    for path in tier_files(ENVIRONMENTS):
+        with open(path) as f:
+            environments.update(json.load(f))
     table = render(results, environments)
     if "--update" not in argv:
         print(table)

@@ -2,7 +2,8 @@
 
 Standard library only; run with any Python 3.8+:
 
-    python3 tools/envs.py                           # everything `make test` needs
+    python3 tools/envs.py everyday                  # what `make test` needs (about 2 GB)
+    python3 tools/envs.py                           # everything, for `make test-matrix` too
     python3 tools/envs.py tools e2e mcore           # only some of it (see TARGETS)
     python3 tools/envs.py demo                      # .venv for `make demo`
     python3 tools/envs.py wheel                     # dist/*.whl, built from this checkout
@@ -752,8 +753,17 @@ def gpu_check_prepare() -> None:
     log("%s ready: carry it with `make gpu-check` to a GPU machine" % os.path.relpath(GPU_CHECK, ROOT))
 
 
-# What `make test` needs, in order (torch before seed: the seed stack clones torch 2.9.0).
-DEFAULT_TARGETS = ["tools", "e2e", "mcore", "setuptools", "pythons", "nvrx", "torch", "seed", "fresh", "py312"]
+def fresh_cpu() -> None:
+    """The everyday tier's fresh image: torch 2.13.0 (the CPU wheel), numpy 2, setuptools 82+."""
+    fresh_venv(CPU_TORCH_RELEASE, "numpy2")
+
+
+# What `make test` needs: torch 2.13.0 (the CPU wheel on this disk), its numpy 2 clone, the
+# megatron-core and nvidia-resiliency-ext folders. Built from nothing in about 2 minutes.
+EVERYDAY_TARGETS = ["tools", "e2e", "mcore", "setuptools", "nvrx", "fresh-cpu"]
+# What `make test-matrix` needs besides, in order (torch before seed: the seed stack clones
+# torch 2.9.0).
+DEFAULT_TARGETS = [*EVERYDAY_TARGETS, "pythons", "torch", "seed", "fresh", "py312"]
 TARGETS = {
     "tools": tools,
     "e2e": e2e,
@@ -762,6 +772,7 @@ TARGETS = {
     "torch": torch_matrix,
     "seed": seed_stack,
     "fresh": fresh,
+    "fresh-cpu": fresh_cpu,
     "setuptools": old_setuptools,
     "py312": py312,
     "nvrx": nvrx,
@@ -773,6 +784,8 @@ TARGETS = {
 
 def main(argv: "list[str]") -> int:
     names = argv or DEFAULT_TARGETS
+    if names == ["everyday"]:
+        names = EVERYDAY_TARGETS
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         print("unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join(TARGETS)), file=sys.stderr)
