@@ -18,7 +18,10 @@ from typing import Dict, List
 
 from _common import AFFECTED, INPROCESS, BenchEnvs, Row, alternate, mcore_env, median, run_child, spread, standalone
 
-FIX_BUDGET_MS = 5.0
+# The budget is a share of what the watched imports themselves cost in the same process
+# (megatron-core's checkpointing modules imported cold, torch already imported): the time to
+# fix may be at most 0.5 % of it (issue 27; about 9 ms for 0.12.1 at ~1.9 s on 2 cores).
+FIX_BUDGET_SHARE = 0.005
 SELF_TIME = re.compile(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(mcore_autopatch\.\S+)\s*$")
 
 
@@ -42,6 +45,8 @@ def run(e: BenchEnvs, quick: bool) -> List[Row]:
     )
     extra = [r["hooked_ms"] - r["plain_ms"] for r in runs["total"]]
     total = median(extra)
+    share = median([(r["hooked_ms"] - r["plain_ms"]) / r["cold_import_ms"] for r in runs["total"]])
+    cold_ms = median([r["cold_import_ms"] for r in runs["total"]])
     rows_2_9 = _all_fixes_applied(e, quick)
     steps = {name: median([r["ms"][name] for r in runs["breakdown"]]) for name in runs["breakdown"][0]["ms"]}
     modules = sorted({m for r in runs["breakdown"] for m in r["self_us"]})
@@ -54,9 +59,9 @@ def run(e: BenchEnvs, quick: bool) -> List[Row]:
     rows = [
         Row(
             "time to fix (writer + strategies import, hook vs none, torch %s)" % e.versions.get("torch", "?"),
-            "%.2f ms" % total,
-            "<= %.0f ms" % FIX_BUDGET_MS,
-            total <= FIX_BUDGET_MS,
+            "%.2f ms = %.3f %% of the watched imports (%.0f ms cold)" % (total, share * 100, cold_ms),
+            "<= %.1f %%" % (FIX_BUDGET_SHARE * 100),
+            share <= FIX_BUDGET_SHARE,
             "in-process: the watched modules executed without our finder twice, with it once (our modules cold, "
             "torch and megatron warm), without it twice more, each from a collected heap; the hooked run minus "
             "the median plain run, median over processes (%s); plain exec %.2f ms; "
@@ -104,13 +109,15 @@ def _all_fixes_applied(e: BenchEnvs, quick: bool) -> List[Row]:
         env = mcore_env(version, MCORE_AUTOPATCH="0")
         runs = [run_child([python, INPROCESS, "fix-total"], env).json() for _ in range(3 if quick else 9)]
         extra = [r["hooked_ms"] - r["plain_ms"] for r in runs]
+        share = median([(r["hooked_ms"] - r["plain_ms"]) / r["cold_import_ms"] for r in runs])
+        cold_ms = median([r["cold_import_ms"] for r in runs])
         applied = sorted(name for name, d in runs[-1]["decisions"].items() if d and d["applied"])
         rows.append(
             Row(
                 "%s (fixes applied: %s)" % (label, ", ".join(applied)),
-                "%.2f ms" % median(extra),
-                "<= %.0f ms" % FIX_BUDGET_MS,
-                median(extra) <= FIX_BUDGET_MS,
+                "%.2f ms = %.3f %% of the watched imports (%.0f ms cold)" % (median(extra), share * 100, cold_ms),
+                "<= %.1f %%" % (FIX_BUDGET_SHARE * 100),
+                share <= FIX_BUDGET_SHARE,
                 "as above, in a clone of that venv with the wheel, %d watched modules (%s); median of %d "
                 "processes (%s)"
                 % (len(runs[-1]["watched"]), ", ".join(runs[-1]["watched"]), len(extra), spread(extra)),

@@ -38,6 +38,10 @@ from _common import (
 )
 
 SAVE_BUDGET_RATIO = 1.3  # 256 MiB save vs dd of the same bytes
+# The async-results fixes (a queue per save, the files checked before .metadata) vs the same
+# save with both skipped, in the same venv and run (issue 25).
+RESULTS_FIX_BUDGET_RATIO = 1.02
+RESULTS_FIXES = "write_results_per_save,results_match_files"
 ITEM_BUDGET_NS = 2000.0
 ITEMS = 10_000
 
@@ -53,11 +57,11 @@ def save_throughput(e: BenchEnvs, mib: int, rounds: int, budget: bool, reference
     sizes: List[int] = []
     job_args = ["--state", "large", "--mib", str(mib), "--no-load", "--json"]
 
-    def job(argv: List[str], version: str, fixed: bool) -> Callable[[], float]:
+    def job(argv: List[str], version: str, fixed: bool, **env: str) -> Callable[[], float]:
         def go() -> float:
             target = os.path.join(folder, "ckpt")
             shutil.rmtree(target, ignore_errors=True)
-            result = run_child([*argv, *job_args, "--dir", target], mcore_env(version)).json()
+            result = run_child([*argv, *job_args, "--dir", target], mcore_env(version, **env)).json()
             if not result["ok"] or result.get("write_item_replaced") is not fixed:
                 raise RuntimeError("megatron-core %s save: %s" % (version, result.get("error") or result))
             sizes.append(folder_bytes(target))
@@ -84,6 +88,10 @@ def save_throughput(e: BenchEnvs, mib: int, rounds: int, budget: bool, reference
         "native": job([e.without_py, JOB], NATIVE, False),
         "dd": dd,
     }
+    if budget:
+        variants["without the results fixes"] = job(
+            [e.with_py, JOB], AFFECTED, True, MCORE_AUTOPATCH_SKIP=RESULTS_FIXES
+        )
     if references:
         variants["shim"] = job([e.without_py, INPROCESS, "shim-job", JOB], AFFECTED, False)
         variants["torch.save"] = torch_save
@@ -108,6 +116,19 @@ def save_throughput(e: BenchEnvs, mib: int, rounds: int, budget: bool, reference
             how="same runs; 0.13.1 in the venv without the wheel, same torch (%s)" % spread(runs["native"]),
         ),
     ]
+    if budget:
+        without = runs["without the results fixes"]
+        results_ratio = paired_ratio(runs["fixed"], without)
+        rows.append(
+            Row(
+                "save %d MiB: with write_results_per_save + results_match_files vs without" % mib,
+                "x%.3f (%.2f s vs %.2f s)" % (results_ratio, fixed, median(without)),
+                "<= x%.2f" % RESULTS_FIX_BUDGET_RATIO,
+                results_ratio <= RESULTS_FIX_BUDGET_RATIO,
+                "same runs, same venv with the wheel; the other with MCORE_AUTOPATCH_SKIP=%s (%s)"
+                % (RESULTS_FIXES, spread(without)),
+            )
+        )
     if references:
         rows += [
             Row(

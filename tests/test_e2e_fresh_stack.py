@@ -224,6 +224,7 @@ def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_py
 # --- more of what a fresh image meets -------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 def test_checkpoint_saved_on_numpy_1_resumes_after_the_image_moves_to_numpy_2(torch_python):
     """An image upgraded from numpy 1.26 to numpy 2 resumes what it saved before."""
     args = ROW_ARGS["0.12.1"]
@@ -249,6 +250,7 @@ def test_python_3_12_runs_the_release_files_and_saves_and_resumes(
     assert not off["ok"] and off["ranks"][0]["error"].startswith(PRODUCT)
 
 
+@pytest.mark.matrix
 def test_setuptools_70_3_pkg_resources_without_packaging(torch_python, python_without_wheel):
     """setuptools 70.0 - 70.3 have a pkg_resources without ``packaging``: 0.8's imports get it
     for their own import only; the real pkg_resources stays as it is, in the same process."""
@@ -281,3 +283,30 @@ def test_skipping_a_fix_leaves_it_out_and_check_says_so(torch_python):
     selftest = run_python(python, ["-m", "mcore_autopatch", "selftest"], env)
     assert selftest.returncode == 1
     assert selftest.stdout.startswith("selftest: FAILED: distributed-optimizer-style state: the save raised " + PRODUCT)
+
+
+# --- the everyday tier: every row on numpy 2, on the CPU wheel -------------------------------------------
+
+ONE_RANK_ROWS = {v: args for v, args in ROW_ARGS.items() if v not in CPU_ONLY}  # 0.14/0.15: CELLS above
+ONE_RANK_ROWS["0.16.1"] = ["--iterations", "1", "--state", "model"]  # 0.16 saves no flattened tensors
+NUMPY2_ROW = "save and resume on numpy 2, setuptools 82+ (one rank)"
+
+
+@pytest.mark.parametrize(
+    "version,torch_release",
+    [
+        pytest.param(v, fresh_key("2.13.0", "numpy2"), marks=pytest.mark.compat(v, NUMPY2_ROW), id=v)
+        for v in ONE_RANK_ROWS
+    ],
+)
+def test_every_row_saves_and_resumes_on_numpy_2_with_the_wheel(torch_python, version, torch_release):
+    """What a fresh image has, for every release: a one-rank job saves and resumes equal."""
+    python = torch_python(torch_release)
+    args = ONE_RANK_ROWS[version]
+    root = run_dir_folder("numpy2-row-")
+    save = run_training_job(python, version, "save", root, *args, ranks=1)
+    assert save["ok"], job_failure(save)
+    assert save["ranks"][0]["numpy"].startswith("2.")
+    resume = run_training_job(python, version, "resume", root, *args, ranks=1)
+    assert resume["ok"], job_failure(resume)
+    assert resume["ranks"][0]["loaded_equal"]

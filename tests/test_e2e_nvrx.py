@@ -127,6 +127,7 @@ def test_status_leaves_other_nvrx_releases_alone_with_the_reason(e2e_python, ver
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("version", ["0.3.0", "0.4.1"])
 def test_full_nvrx_async_save_on_a_gpu(torch_python, tmp_path, version):
     """GPU only: nvidia-resiliency-ext's own async path (CUDA tensors staged to the host)."""
@@ -140,3 +141,28 @@ def test_full_nvrx_async_save_on_a_gpu(torch_python, tmp_path, version):
     assert result["write_item_replaced"] is (version == "0.3.0")
     assert result["loaded_equal"] is True
     assert result["metadata_written"] is True
+
+
+TWO_SAVES = os.path.join(SCRIPTS, "nvrx_two_saves.py")
+
+
+@pytest.mark.parametrize(
+    "version",
+    compat_params(["0.3.0", "0.4.1"], "two saves in flight: the first takes its own results", "nvidia-resiliency-ext"),
+)
+def test_nvrx_first_of_two_saves_takes_its_own_results_with_the_wheel(e2e_python, version):
+    """nvidia-resiliency-ext's own getter and retrieve_write_results; the fix's row of status."""
+    fixed = last_json(run_python(e2e_python, [TWO_SAVES], clean_env(PYTHONPATH=nvrx_folder(version))))
+    assert fixed["queue_per_save"] is True and fixed["first_took"] == ["results of save 1"], fixed
+    off = last_json(
+        run_python(
+            e2e_python,
+            [TWO_SAVES],
+            clean_env(PYTHONPATH=nvrx_folder(version), MCORE_AUTOPATCH_SKIP="write_results_per_save"),
+        )
+    )
+    assert off["shared_queue"] is True and off["first_took"] == ["results of save 2"], off
+    proc = status(e2e_python, [nvrx_folder(version)], "status", "--json")
+    rows = {f["fix"]: f for f in json.loads(proc.stdout)["fixes"] if f["library"] == "nvidia-resiliency-ext"}
+    for name in ("write_results_per_save", "results_match_files"):
+        assert (rows[name]["needed"], rows[name]["applied"]) == (True, True), rows[name]

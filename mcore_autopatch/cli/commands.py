@@ -7,7 +7,8 @@
   distributed-optimizer-style state); exit 0 only when both round trips are equal, 1 when one
   fails, 2 when it cannot run here.
 * ``inspect DIR [--json]``: what a torch_dist checkpoint holds (which torch wrote it,
-  ``mcore_data``, N-D flattened tensors) and whether it loads in this environment.
+  ``mcore_data``, N-D flattened tensors, whether its files match its ``.metadata``) and whether
+  it loads in this environment; exit 1 when its files do not match (another save's write results).
 * ``repair DIR [--dry-run]``: write a checkpoint's lost ``mcore_data`` back, only when every
   original shape is proved; exit 1 and change nothing otherwise, 2 for a folder that is not
   a readable checkpoint.
@@ -197,4 +198,4 @@ def _checkpoint_command(command: str, args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
     else:
         print(inspect_checkpoint.format_report(result))
-    return 0
+    return inspect_checkpoint.exit_code(result)

@@ -2,7 +2,9 @@
 
 ``inspect`` reads ``DIR/.metadata`` (torch must be importable) and says which torch wrote it,
 whether megatron-core's ``mcore_data`` is there, which tensors are N-D flattened (with their
-original shapes, and how each is known), and whether it will load in this environment.
+original shapes, and how each is known), whether every file ends where its last item ends
+(a checkpoint finalized with another save's write results does not: ``shared/storage_layout.py``),
+and whether it will load in this environment. It exits 1 for such a damaged checkpoint.
 
 ``repair`` writes the ``mcore_data`` a checkpoint lost back into its ``.metadata``, only when
 every N-D flattened tensor's original shape is proved (``checkpoint_metadata``); the file is
@@ -18,9 +20,12 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from mcore_autopatch.shared import checkpoint_metadata as cm
+from mcore_autopatch.shared import storage_layout
 
 BACKUP_SUFFIX = ".before-mcore-autopatch-repair"
 OK, NOT_PROVABLE, CANNOT_RUN = 0, 1, 2
+DAMAGED = 1  # inspect's exit code for a checkpoint whose files do not match its .metadata
+WAY_OUT = "resume from another iteration"
 
 
 def written_by(metadata: Any) -> str:
@@ -43,8 +48,24 @@ def megatron_files(folder: str) -> Dict[str, Any]:
         return {}
 
 
+def storage_verdict(mismatched: List[str]) -> str:
+    """One line on a checkpoint whose files do not match its .metadata."""
+    return (
+        "no: its .metadata does not match its files (%s%s): it was finalized with another save's write "
+        "results (async saves that overlapped, a synchronous save made during an async one, or a save after "
+        "an abandoned one, without mcore-autopatch's write_results_per_save); %s"
+        % (
+            "; ".join(mismatched[:2]),
+            "; and %d more files" % (len(mismatched) - 2) if len(mismatched) > 2 else "",
+            WAY_OUT,
+        )
+    )
+
+
 def load_verdict(report: Dict[str, Any], guard: Optional[Dict[str, Any]]) -> str:
     """Whether a resume of this checkpoint works in this interpreter, and why."""
+    if report["storage"]["mismatched"]:
+        return storage_verdict(report["storage"]["mismatched"])
     flattened = [t for t in report["tensors"] if t["kind"] != "regular"]
     if report["mcore_data"]:
         return "yes: mcore_data is there"
@@ -70,6 +91,8 @@ def load_verdict(report: Dict[str, Any], guard: Optional[Dict[str, Any]]) -> str
 def inspect(folder: str, guard: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     metadata = cm.read_metadata(folder)
     tensors = cm.classify(metadata)
+    ends = storage_layout.ends_by_file((getattr(metadata, "storage_data", None) or {}).values())
+    mismatched, unseen = storage_layout.compare_with_files(folder, ends)
     report: Dict[str, Any] = {
         "checkpoint": os.path.abspath(folder),
         "written_by": written_by(metadata),
@@ -77,6 +100,7 @@ def inspect(folder: str, guard: Optional[Dict[str, Any]] = None) -> Dict[str, An
         "megatron_metadata_json": megatron_files(folder),
         "mcore_data": cm.has_mcore_data(metadata),
         "all_local_plans": vars(metadata).get("all_local_plans") is not None,
+        "storage": {"files": len(ends), "mismatched": [m.text for m in mismatched], "missing": unseen},
         "tensors": [
             {
                 "key": t.key,
@@ -106,6 +130,7 @@ def format_report(report: Dict[str, Any]) -> str:
             "%d (%d N-D flattened, %d look flattened without a provable shape)"
             % (len(report["tensors"]), len(report["n_d_flattened"]), len(report["unprovable"])),
         ),
+        ("files", _files_text(report["storage"])),
         ("loads here", report["loads_here"]),
     ]
     lines += ["  %-16s %s" % (label + ":", value) for label, value in rows]
@@ -129,6 +154,19 @@ def format_report(report: Dict[str, Any]) -> str:
             % report["checkpoint"]
         )
     return "\n".join(lines)
+
+
+def _files_text(storage: Dict[str, Any]) -> str:
+    if storage["mismatched"]:
+        return "%d, %d NOT matching .metadata" % (storage["files"], len(storage["mismatched"]))
+    if storage["missing"]:
+        return "%d, %d missing: %s" % (storage["files"], len(storage["missing"]), ", ".join(storage["missing"][:3]))
+    return "%d, each ends where its last item ends" % storage["files"]
+
+
+def exit_code(report: Dict[str, Any]) -> int:
+    """inspect's exit status: 1 for a checkpoint whose files do not match its .metadata."""
+    return DAMAGED if report["storage"]["mismatched"] else OK
 
 
 def repair(folder: str, dry_run: bool = False) -> Tuple[int, List[str]]:

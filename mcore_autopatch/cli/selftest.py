@@ -132,11 +132,16 @@ def _run(streams: _Streams, folder: Optional[str]) -> int:
                 code = _round_trip(streams, name, build, torch, dist_checkpointing, info, folder)
                 if code != PASSED:
                     return code
+            code = _overlapping_saves(streams, torch, dist_checkpointing, folder)
+            if code != PASSED:
+                return code
     finally:
         if own_group:
             dist.destroy_process_group()
-    streams.progress("both round trips took %.2f s" % (time.perf_counter() - started))
-    streams.verdict("passed: plain and distributed-optimizer-style states saved and loaded back equal")
+    streams.progress("the round trips took %.2f s" % (time.perf_counter() - started))
+    streams.verdict(
+        "passed: plain and distributed-optimizer-style states, and two overlapping async saves, loaded back equal"
+    )
     return PASSED
 
 
@@ -218,6 +223,62 @@ def _round_trip(
             "%s state: saved in %.2f s, loaded back equal in %.2f s"
             % (name, saved, time.perf_counter() - started - saved),
         )
+    return PASSED
+
+
+def _history_state(torch: Any, length: int, zeros: bool) -> "tuple[Any, Any]":
+    """A tensor and an object whose pickled size grows from save to save (a loader's state)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    weight = torch.full((16, 16), float(length))
+    history = list(range(length))
+    state = {
+        KEY: ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(weight) if zeros else weight.clone(), replica_id=0),
+        "history": ShardedObject("history", None if zeros else history, (1,), (0,), replica_id=0),
+    }
+    return state, {KEY: weight, "history": history}
+
+
+def _overlapping_saves(streams: _Streams, torch: Any, dist_checkpointing: Any, folder: Any) -> int:
+    """Two async saves in flight at once, the second's write done first, then finalized in
+    call order, as Megatron-LM's loop finalizes them: each must load back its own state."""
+    if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
+        return PASSED  # megatron-core 0.6: synchronous saves only
+    lengths = (100, 300)
+    with tempfile.TemporaryDirectory(prefix="mcore-autopatch-selftest-", dir=folder) as root:
+        folders = [os.path.join(root, "iter_%d" % i) for i in (1, 2)]
+        streams.progress("overlapping async saves: two saves in flight, the second's write done first, in %s" % root)
+        try:
+            requests = []
+            for ckpt, length in zip(folders, lengths):
+                os.makedirs(ckpt)
+                state, _ = _history_state(torch, length, zeros=False)
+                requests.append(dist_checkpointing.save(state, ckpt, ("torch_dist", 1), async_sharded_save=True))
+            for request in reversed(requests):  # the writes: the later save's ends first
+                request._replace(finalize_fns=[]).execute_sync()
+            for request in requests:  # the finalizes: in call order
+                for finalize in request.finalize_fns:
+                    finalize()
+        except Exception as exc:
+            streams.verdict("FAILED: overlapping async saves: a save raised %s: %s" % (type(exc).__name__, exc))
+            return FAILED
+        for i, (ckpt, length) in enumerate(zip(folders, lengths), start=1):
+            template, expected = _history_state(torch, length, zeros=True)
+            try:
+                loaded = dist_checkpointing.load(template, ckpt)
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
+                if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+                    raise
+                streams.verdict(
+                    "FAILED: overlapping async saves: save %d reported success and cannot be loaded (%s): it was "
+                    "finalized with the other save's write results" % (i, type(exc).__name__)
+                )
+                return FAILED
+            if sorted(k for k, v in expected.items() if not _equal(torch, loaded.get(k), v)):
+                streams.verdict("FAILED: overlapping async saves: save %d loaded the other save's values" % i)
+                return FAILED
+        streams.progress("overlapping async saves: each loaded back its own state")
     return PASSED
 
 

@@ -109,8 +109,34 @@ def _write_item_fix(writer: writers.KnownWriter) -> Fix:
     )
 
 
+def _async_results_fixes(writer: writers.KnownWriter) -> Tuple[Fix, ...]:
+    return (
+        Fix(
+            name="write_results_per_save",
+            library=writer.name,
+            watches=(writer.module,),
+            reads="whether %s's FileSystemWriterAsync.prepare_write_data takes its results queue from a module "
+            "function that keeps one queue in a module global (_results_queue)" % writer.name,
+            rebinds="that function's global name in %s: a new queue on the manager it made, for each save"
+            % writer.module,
+            importers=writer.importers,
+        ),
+        Fix(
+            name="results_match_files",
+            library=writer.name,
+            watches=(writer.module,),
+            reads="whether %s's FileSystemWriterAsync.retrieve_write_results takes its results from a queue"
+            % writer.name,
+            rebinds="FileSystemWriterAsync.finish (on that class): each file's size is checked against where "
+            "its last item ends before .metadata is written; a mismatch raises CheckpointingException",
+            importers=writer.importers,
+        ),
+    )
+
+
 FIXES: Tuple[Fix, ...] = (
     _write_item_fix(writers.MEGATRON_CORE),
+    *_async_results_fixes(writers.MEGATRON_CORE),
     Fix(
         name="keep_mcore_data",
         library="megatron-core",
@@ -138,6 +164,17 @@ FIXES: Tuple[Fix, ...] = (
         rebinds="%s.MCoreSavePlanner._add_non_coordinator_iobytes_request: called only when the plan lacks one "
         "of the rank's objects, so each is planned once" % STRATEGIES_TORCH,
         gate="_planner_adds_its_own_requests",
+    ),
+    Fix(
+        name="allow_shape_mismatch_on_load",
+        library="megatron-core",
+        watches=(STRATEGIES_TORCH,),
+        reads="whether torch's create_default_local_load_plan refuses a saved size that differs from the asked "
+        "one (2.6+), and whether megatron-core's MCoreLoadPlanner gets tensors saved with allow_shape_mismatch "
+        "past it itself (0.12+)",
+        rebinds="%s.MCoreLoadPlanner.create_local_plan: while it plans, the tensors it does not validate itself "
+        "(saved with allow_shape_mismatch) give the asked size; rigid ones are still refused" % STRATEGIES_TORCH,
+        gate="_planner_may_lack_a_shape_bypass",
     ),
     Fix(
         name="numpy_removed_names",
@@ -181,6 +218,7 @@ FIXES: Tuple[Fix, ...] = (
         acts_while_executing=True,
     ),
     _write_item_fix(writers.NVIDIA_RESILIENCY_EXT),
+    *_async_results_fixes(writers.NVIDIA_RESILIENCY_EXT),
 )
 
 
@@ -227,6 +265,13 @@ def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
     if isinstance(planner, type) and "_add_non_coordinator_iobytes_request" in vars(planner):
         return None
     return "megatron-core plans its ShardedObjects itself"
+
+
+def _planner_may_lack_a_shape_bypass(module: ModuleType) -> Optional[str]:
+    planner = vars(module).get("MCoreLoadPlanner")
+    if isinstance(planner, type) and "_temporarily_bypass_shape_validation" in vars(planner):
+        return "megatron-core lets tensors saved with allow_shape_mismatch past torch's size check itself"
+    return None
 
 
 def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]:
@@ -424,19 +469,24 @@ def on_module_executed(module: ModuleType) -> None:
         for fix in FIXES:
             if name in fix.watches:
                 run(fix, module, mode)
+        # Modules this one imports at its top that were loaded without our finder (a finder
+        # ahead of ours): every fix that watches them runs now, with one warning per module.
+        missed = {}
         for fix in FIXES:
-            if name not in fix.importers:
-                continue
-            for watched_name in fix.watches:
-                watched = sys.modules.get(watched_name)
-                if watched is None or watched in _seen:
-                    continue
-                loader = getattr(getattr(watched, "__spec__", None), "loader", None)
-                logger.warning(
-                    "%s was loaded without mcore_autopatch's finder (by %r); checking it now", watched_name, loader
-                )
-                _seen.add(watched)
-                run(fix, watched, mode)
+            if name in fix.importers:
+                for watched_name in fix.watches:
+                    watched = sys.modules.get(watched_name)
+                    if watched is not None and watched not in _seen:
+                        missed[watched_name] = watched
+        for watched_name, watched in missed.items():
+            loader = getattr(getattr(watched, "__spec__", None), "loader", None)
+            logger.warning(
+                "%s was loaded without mcore_autopatch's finder (by %r); checking it now", watched_name, loader
+            )
+            _seen.add(watched)
+            for fix in FIXES:
+                if watched_name in fix.watches:
+                    run(fix, watched, mode)
     except Exception:
         logger.warning("checking %s failed; it is left unchanged", getattr(module, "__name__", module), exc_info=True)
 

@@ -62,6 +62,14 @@ if os.environ.get("CPU_STAND_IN_FOR_CUDA") == "1" and "RANK" in os.environ:
 
     cpu_stand_in_for_cuda.install()
 
+# A slow file system for some iterations' writes (``--slow-write``): the write processes
+# megatron-core forks inherit it; a spawned persistent worker re-imports this file.
+if os.environ.get("JOB_SLOW_WRITES"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import slow_file_system
+
+    slow_file_system.install(os.environ["JOB_SLOW_WRITES"])
+
 TRACKER = "latest_checkpointed_iteration.txt"
 HIDDEN, VOCAB, LAYERS = 6, 8, 2
 STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
@@ -74,7 +82,28 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=3, help="save: how many checkpoints")
     p.add_argument("--persistent", action="store_true", help="megatron's persistent (spawned) checkpoint worker")
     p.add_argument("--split", choices=["even", "shifted"], default="even", help="data-parallel split of the optimizer")
-    p.add_argument("--state", choices=["full", "optimizer-only"], default="full")
+    p.add_argument(
+        "--state",
+        choices=["full", "optimizer-only", "model"],
+        default="full",
+        help="model: the model state and the rng state only (no distributed-optimizer state)",
+    )
+    p.add_argument(
+        "--padded-vocab",
+        type=int,
+        help="the word embeddings and an output layer have this many rows (a vocabulary padded to a multiple "
+        "of make_vocab_size_divisible_by x TP), saved with allow_shape_mismatch as megatron-core saves them",
+    )
+    p.add_argument(
+        "--saved-vocab",
+        type=int,
+        help="resume: the padded vocabulary the checkpoint was saved with (the overlap is expected, zeros elsewhere)",
+    )
+    p.add_argument(
+        "--rigid-vocab",
+        action="store_true",
+        help="the vocabulary tensors are saved without allow_shape_mismatch (another shape must then fail)",
+    )
     p.add_argument(
         "--optimizer-layout",
         choices=["model", "bucket"],
@@ -95,6 +124,33 @@ def parse_args(argv=None):
         " 0.7/0.8's exchange all-gathers uneven pieces, which gloo refuses and NCCL serves)",
     )
     p.add_argument("--then-save", action="store_true", help="resume: save once more, reusing the loaded metadata")
+    p.add_argument(
+        "--scenario",
+        choices=["sequential", "async-results"],
+        default="sequential",
+        help="save: one save after the other (each finalized before the next), or async-results: "
+        "saves that overlap, a synchronous save while an async one is in flight, an abandoned save "
+        "(tests/test_e2e_async_results.py)",
+    )
+    p.add_argument(
+        "--abandon",
+        choices=["new-queue", "shut-down-manager"],
+        default="new-queue",
+        help="async-results: how a save is abandoned after its write: a fresh AsyncCallsQueue (an "
+        "in-process restart), or that and the results queue's manager shut down (an abort)",
+    )
+    p.add_argument(
+        "--slow-write",
+        default="",
+        metavar="ITER:SECONDS[,...]",
+        help="each write of these iterations' files takes SECONDS longer (a slow file system)",
+    )
+    p.add_argument("--iteration", default="latest", help="resume: which iteration (a number, latest, or all)")
+    p.add_argument(
+        "--growing-object",
+        action="store_true",
+        help="a ShardedObject whose pickled size grows with the iteration (a data loader's state)",
+    )
     p.add_argument("--device", default="cpu", help="where the state lives (cuda on a GPU machine)")
     p.add_argument("--launch", type=int, metavar="N", help="start N ranks of this job (torchrun-style env)")
     p.add_argument("--json", action="store_true")
@@ -116,31 +172,58 @@ def global_value(key, shape, iteration, dtype):
     return (base + iteration * 10 + zlib.crc32(key.encode()) % 97).to(dtype)
 
 
-def model_params(rank, world):
-    """(key, global shape, dtype, kind): the model-style weights."""
+def model_params(rank, world, vocab=None):
+    """(key, global shape, dtype, kind): the model-style weights; with a padded ``vocab``, the
+    word embeddings have that many rows and an output layer is added, both vocabulary tensors."""
     import torch
 
-    return [
-        ("embedding.word_embeddings.weight", (VOCAB, HIDDEN), torch.bfloat16, "sharded"),
+    params = [
+        ("embedding.word_embeddings.weight", (vocab or VOCAB, HIDDEN), torch.bfloat16, "sharded"),
         ("decoder.layers.mlp.linear_fc1.weight", (LAYERS, HIDDEN, 4), torch.bfloat16, "stacked"),
         ("decoder.final_layernorm.weight", (HIDDEN,), torch.float32, "replicated"),
     ]
+    if vocab:
+        params.append(("output_layer.weight", (vocab, HIDDEN), torch.bfloat16, "sharded"))
+    return params
 
 
-def model_sharded_tensors(iteration, rank, world, device, zeros=False):
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def vocabulary_value(key, shape, saved_rows, iteration, dtype):
+    """What a vocabulary tensor of ``shape`` holds after a load from ``saved_rows`` rows: the
+    saved overlap, zeros elsewhere (megatron-core's allow_shape_mismatch)."""
+    import torch
+
+    saved = global_value(key, (saved_rows, *shape[1:]), iteration, dtype)
+    full = torch.zeros(shape, dtype=dtype)
+    rows = min(saved_rows, shape[0])
+    full[:rows] = saved[:rows]
+    return full
+
+
+def model_sharded_tensors(iteration, rank, world, device, zeros=False, args=None):
     """{key: ShardedTensor or list of them (layer-stacked)}: the model state of one rank."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    vocab = getattr(args, "padded_vocab", None)
+    saved_vocab = getattr(args, "saved_vocab", None) or vocab
+    flexible = {"allow_shape_mismatch": True} if vocab and not getattr(args, "rigid_vocab", False) else {}
     out = {}
-    for key, shape, dtype, kind in model_params(rank, world):
-        full = global_value(key, shape, iteration, dtype)
+    for key, shape, dtype, kind in model_params(rank, world, vocab):
+        is_vocab = bool(vocab) and key in VOCAB_KEYS
+        if is_vocab and saved_vocab != shape[0]:
+            full = vocabulary_value(key, shape, saved_vocab, iteration, dtype)
+        else:
+            full = global_value(key, shape, iteration, dtype)
         if zeros:
             full = torch.zeros_like(full)
         if kind == "sharded":  # split along dim 0 across the ranks, like a tensor/expert-parallel weight
             rows = shape[0] // world
             local = full[rank * rows : (rank + 1) * rows].clone().to(device)
-            out[key] = ShardedTensor.from_rank_offsets(key, local, (0, rank, world), replica_id=(0, 0, 0))
+            extra = flexible if is_vocab else {}
+            out[key] = ShardedTensor.from_rank_offsets(key, local, (0, rank, world), replica_id=(0, 0, 0), **extra)
         elif kind == "stacked":  # one tensor per layer, stacked on a prepended axis, replicated
             out[key] = [
                 ShardedTensor.from_rank_offsets(
@@ -310,16 +393,21 @@ def full_state(args, iteration, rank, world, zeros=False):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     kind, device = args.state, args.device
-    model = model_sharded_tensors(iteration, rank, world, device, zeros)
-    if args.optimizer_layout == "bucket":
+    model = model_sharded_tensors(iteration, rank, world, device, zeros, args)
+    if kind == "model":
+        optimizer = {}
+    elif args.optimizer_layout == "bucket":
         optimizer = bucket_space_sharded_tensors(iteration, rank, world, device, zeros)
     else:
         optimizer = optimizer_sharded_tensors(iteration, rank, world, device, args.split, model, zeros, args.whole_1d)
     state = {"optimizer": {"state": optimizer}}
-    if kind == "full":
+    if kind in ("full", "model"):
         state["model"] = model
         rng = None if zeros else rng_state(iteration)
         state["rng_state"] = ShardedObject("rng_state", rng, (1,), (0,), replica_id=rank)
+    if getattr(args, "growing_object", False):
+        history = None if zeros else list(range(iteration * 40))
+        state["train_history"] = ShardedObject("train_history", history, (1,), (0,), replica_id=rank)
     state["iteration"] = None if zeros else iteration
     state["args"] = None if zeros else training_args(iteration)
     state["optimizer"]["param_groups"] = None if zeros else [{"lr": 1e-4 * iteration, "step": iteration}]
@@ -450,7 +538,9 @@ def finalize(queue, blocking):
         return queue.maybe_finalize_async_calls(blocking=blocking)
 
 
-def save_one(state, iteration, root, context, queue, rank, release):
+def save_one(state, iteration, root, context, queue, rank, release, synchronous=False):
+    """One save as checkpointing.py's save_checkpoint makes it; returns once it is scheduled
+    (async) or written (synchronous: megatron-core 0.6, or ``synchronous``)."""
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(root, iteration)
@@ -466,7 +556,7 @@ def save_one(state, iteration, root, context, queue, rank, release):
             with open(os.path.join(root, TRACKER), "w") as f:
                 f.write(str(iteration))
 
-    if not release.async_save:  # megatron-core 0.6: the save returns when it is written
+    if not release.async_save or synchronous:  # the save returns when it is written
         dist_checkpointing.save(state, folder, strategy, validate_access_integrity=first)
         dist.barrier()
         iter_finalize_fn()
@@ -474,6 +564,14 @@ def save_one(state, iteration, root, context, queue, rank, release):
     request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
     request.add_finalize_fn(iter_finalize_fn)
     queue.schedule_async_request(request)
+    return folder
+
+
+def save_and_finalize(state, iteration, root, context, queue, rank, release):
+    """A save, then training steps until it is finalized (before the next save)."""
+    folder = save_one(state, iteration, root, context, queue, rank, release)
+    if queue is None:
+        return folder
     steps = 0
     while finalize(queue, blocking=False) == [] and steps < 200:  # training steps go on meanwhile
         time.sleep(0.05)
@@ -544,7 +642,7 @@ def save_job(args, result):
     try:
         for iteration in range(1, args.iterations + 1):
             state = full_state(args, iteration, rank, world)
-            save_one(state, iteration, args.root, context, queue, rank, release)
+            save_and_finalize(state, iteration, args.root, context, queue, rank, release)
             result.setdefault("saved", []).append(iteration)
     finally:
         if queue is not None:
@@ -558,6 +656,140 @@ def save_job(args, result):
     )
     if rank == 0:
         result["metadata"] = describe_metadata(iteration_dir(args.root, args.iterations))
+
+
+def training_steps(queue, finalized, until_empty=True, steps=400):
+    """Megatron-LM's loop: every iteration finalizes what is done, never waiting."""
+    for _ in range(steps):
+        finalized.extend(finalize(queue, blocking=False) or [])
+        if not until_empty or queue.get_num_unfinalized_calls() == 0:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("saves still unfinalized after %d training steps" % steps)
+
+
+def wait_for_write_without_finalizing(queue):
+    """Until the last scheduled save's write is done on every rank; it is not finalized."""
+    caller = queue.async_calls[-1].async_caller
+    if "no_dist" in inspect.signature(caller.is_current_async_call_done).parameters:
+        while not caller.is_current_async_call_done(blocking=True, no_dist=False):
+            pass
+    else:
+        while not caller.is_current_async_call_done(blocking=True):
+            pass
+
+
+def abandon(queue, how, persistent):
+    """The queue's unfinalized save is abandoned, as an in-process restart or an abort leaves
+    it; a new AsyncCallsQueue takes the next saves."""
+    close = getattr(queue, "close", None)
+    if close is not None and "abort" in inspect.signature(close).parameters:
+        close(abort=True)
+    else:
+        queue.async_calls.clear()  # nothing will finalize it
+    if how == "shut-down-manager":  # as an abort that shuts the results queue's manager down
+        fs = sys.modules["megatron.core.dist_checkpointing.strategies.filesystem_async"]
+        shared = getattr(fs, "_results_queue", None)
+        if shared is not None and getattr(shared, "_manager", None) is not None:
+            shared._manager.shutdown()
+    return async_queue(persistent)
+
+
+def async_results_job(args, result):
+    """Saves as Megatron-LM's loop can make them, each in its own iteration folder:
+
+    1, 2: save 2 starts before save 1 has finished (save 1's write is slow), as Megatron-LM
+          allows ("Starting a checkpoint save before previous has finished"); training steps
+          finalize both, in call order, without waiting;
+    3, 4: save 4 is synchronous, made while save 3 is in flight (save 4's write is slow);
+    5, 6: save 5 is abandoned after its write (a new AsyncCallsQueue, as after an in-process
+          restart or an abort); save 6 follows.
+
+    Every save reports success here; whether each checkpoint holds its own state is for the
+    resume (``resume --iteration all``) to tell."""
+    rank, world = init(args)
+    release = Release()
+    result["release"] = release.as_dict()
+    context = {}
+    queue = async_queue(args.persistent)
+    finalized = []
+    events = result.setdefault("events", [])
+
+    def save(iteration, synchronous=False):
+        state = full_state(args, iteration, rank, world)
+        save_one(state, iteration, args.root, context, queue, rank, release, synchronous=synchronous)
+        events.append("%s %d" % ("saved" if synchronous else "scheduled", iteration))
+
+    try:
+        save(1)
+        training_steps(queue, finalized, until_empty=False, steps=1)
+        save(2)
+        training_steps(queue, finalized)
+        events.append("finalized 1, 2")
+        save(3)
+        save(4, synchronous=True)
+        training_steps(queue, finalized)
+        events.append("finalized 3")
+        save(5)
+        wait_for_write_without_finalizing(queue)
+        queue = abandon(queue, args.abandon, args.persistent)
+        events.append("abandoned 5 (%s)" % args.abandon)
+        save(6)
+        training_steps(queue, finalized)
+        events.append("finalized 6")
+    except BaseException:
+        queue.async_calls.clear()  # a failed finalize ends the job, as it ends Megatron-LM's
+        raise
+    finally:
+        result["finalized_calls"] = len(finalized)
+    queue.close()
+
+
+def load_iteration(args, iteration, rank, world, release):
+    """Load one iteration into a zeroed template and compare every value with what it saved."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    folder = iteration_dir(args.root, iteration)
+    template = full_state(args, iteration, rank, world, zeros=True)
+    strategy = None
+    if release.fully_parallel and not args.plain_load:
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), dist.group.WORLD)
+    kwargs = {}
+    if release.strict:
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
+    loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
+    return compare(expected_values(args, iteration, rank, world), loaded)
+
+
+def resume_every_iteration(args, result):
+    """``resume --iteration all``: every iteration folder of the job, loaded and compared."""
+    import torch.distributed as dist
+
+    rank, world = init(args)
+    release = Release()
+    result["release"] = release.as_dict()
+    found = sorted(int(name[len("iter_") :]) for name in os.listdir(args.root) if name.startswith("iter_"))
+    iterations = result.setdefault("iterations", {})
+    for iteration in found:
+        entry = iterations.setdefault(str(iteration), {})
+        entry["metadata"] = os.path.exists(os.path.join(iteration_dir(args.root, iteration), ".metadata"))
+        if not entry["metadata"]:
+            continue
+        try:
+            mismatched = load_iteration(args, iteration, rank, world, release)
+            entry["loaded_equal"] = not mismatched
+            entry["mismatched"] = mismatched[:5]
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            entry["loaded_equal"] = False
+            entry["error"] = "%s: %s" % (type(exc).__name__, str(exc)[-700:])
+        dist.barrier()
+    result["loaded_equal"] = all(e.get("loaded_equal", not e["metadata"]) for e in iterations.values())
 
 
 def resume_job(args, result):
@@ -595,7 +827,7 @@ def resume_job(args, result):
         queue = async_queue(False) if release.async_save else None
         try:
             state = full_state(args, iteration + 1, rank, world)
-            save_one(state, iteration + 1, args.root, context, queue, rank, release)
+            save_and_finalize(state, iteration + 1, args.root, context, queue, rank, release)
         finally:
             if queue is not None:
                 finalize(queue, blocking=True)
@@ -641,7 +873,18 @@ def job(args):
         result["torch"] = torch.__version__
         result["numpy"] = numpy.__version__
         result["python"] = platform.python_version()
-        (save_job if args.phase == "save" else resume_job)(args, result)
+        if args.slow_write:  # before any write process is forked or spawned
+            os.environ["JOB_SLOW_WRITES"] = args.slow_write
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import slow_file_system
+
+            slow_file_system.install(args.slow_write)
+        if args.phase == "save":
+            (async_results_job if args.scenario == "async-results" else save_job)(args, result)
+        elif args.iteration == "all":
+            resume_every_iteration(args, result)
+        else:
+            resume_job(args, result)
         result["ok"] = result.get("loaded_equal", True)
     except BaseException as exc:  # reported to the test as data
         result["error"] = "%s: %s" % (type(exc).__name__, exc)
