@@ -4,7 +4,7 @@ tests/job_path/training_job.py ``save --scenario async-results`` makes six saves
 Megatron-LM's loop can make them, 2 gloo ranks, through ``AsyncCallsQueue`` with a finalize
 that never waits (every training step): save 2 starts while save 1 is in flight (save 1's
 write is made slow by the test, as a slow file system would make it: ``fsync`` of its files
-takes 2.5 s longer); save 4 is synchronous, made while save 3 is in flight (its own write
+waits for save 2's); save 4 is synchronous, made while save 3 is in flight (its own write
 slow); save 5 is abandoned after its write (a new ``AsyncCallsQueue``, as an in-process
 restart or an abort leaves it) and save 6 follows. The state has objects whose pickled size
 changes from save to save (the rng state, a growing ``train_history``), as a job's has.
@@ -37,7 +37,11 @@ from conftest import (
 
 pytestmark = pytest.mark.e2e
 
-SCENARIO = ["--scenario", "async-results", "--growing-object", "--slow-write", "1:2.5,4:2"]
+# Save 1's write ends after save 2's, save 4's after save 3's: each waits for the other's first
+# fsync (then one second), so the order holds on a loaded machine. The persistent worker
+# writes one save after the other, so there save 1 is only slower.
+SCENARIO = ["--scenario", "async-results", "--growing-object"]
+SLOW = {"temporal": "1:after=2,4:after=3", "persistent": "1:2.5,4:after=3"}
 BOTH = "write_results_per_save,results_match_files"
 EVERYDAY = fresh_key(CPU_TORCH, "numpy2")  # torch 2.13.0 (the CPU wheel) and numpy 2
 # What each release's job saves: 0.8 - 0.10 keep a 1-D weight's optimizer state in one rank's
@@ -71,8 +75,9 @@ OWN_OFF = "async saves without write_results_per_save: report success, cannot be
 def scenario(python: str, version: str, *extra: str, env: "Dict[str, str] | None" = None) -> Dict[str, Any]:
     """The save job, then every iteration loaded and compared; both results, and the folder."""
     args = [*RELEASE_ARGS.get(version, []), *extra]
+    slow = SLOW["persistent" if "--persistent" in extra else "temporal"]
     root = run_dir_folder("async-%s-" % version)
-    save = run_training_job(python, version, "save", root, *SCENARIO, *args, env=env)
+    save = run_training_job(python, version, "save", root, *SCENARIO, "--slow-write", slow, *args, env=env)
     load = run_training_job(python, version, "resume", root, "--iteration", "all", "--growing-object", *args, env=env)
     return {"save": save, "load": load, "root": root}
 

@@ -1,26 +1,42 @@
 """Test-only: a slow file system for chosen checkpoint folders.
 
-``install("iter_0000001:2.5,iter_0000004:2")`` makes ``os.fsync`` of a file under one of those
-folders take that many seconds longer, in this process and in the processes it forks.
+``install("1:2.5,4:after=3")`` makes ``os.fsync`` of a file under ``iter_0000001/`` take 2.5 s
+longer, and of a file under ``iter_0000004/`` wait until this rank has fsynced a file of
+``iter_0000003/`` (then one second more, so that the rest of that save's write ends too), in
+this process and in the processes it forks or spawns (they inherit ``JOB_SLOW_WRITES``).
 megatron-core's write workers ``fsync`` every ``.distcp`` file they write, so that save's write
-ends later than the saves around it, as on a loaded or slow file system. Nothing of
-megatron-core is touched.
+ends after the other's, as on a loaded or slow file system; ``after=`` makes the order
+certain whatever the machine's load. Every fsync under a checkpoint folder leaves a marker
+in ``.fsynced/`` beside the iteration folders. Nothing of megatron-core is touched.
 """
 
 import os
 import time
-from typing import Dict
+from typing import Dict, Tuple
 
 _installed = False
+WAIT_LIMIT_S = 120.0  # a wait for another save's write that never comes stops here
+AFTER_MARGIN_S = 1.0
 
 
-def parse(spec: str) -> Dict[str, float]:
-    slow: Dict[str, float] = {}
+def folder_name(iteration: str) -> str:
+    return iteration if iteration.startswith("iter_") else "iter_%07d" % int(iteration)
+
+
+def parse(spec: str) -> Dict[str, Tuple[str, str]]:
+    """``{folder: ("sleep", seconds) or ("after", other folder)}``."""
+    slow: Dict[str, Tuple[str, str]] = {}
     for part in filter(None, spec.split(",")):
-        iteration, _, seconds = part.partition(":")
-        name = iteration if iteration.startswith("iter_") else "iter_%07d" % int(iteration)
-        slow[name] = float(seconds)
+        iteration, _, how = part.partition(":")
+        if how.startswith("after="):
+            slow[folder_name(iteration)] = ("after", folder_name(how[len("after=") :]))
+        else:
+            slow[folder_name(iteration)] = ("sleep", how)
     return slow
+
+
+def _marker(root: str, folder: str) -> str:
+    return os.path.join(root, ".fsynced", "%s-rank%s" % (folder, os.environ.get("RANK", "0")))
 
 
 def install(spec: str) -> None:
@@ -35,10 +51,21 @@ def install(spec: str) -> None:
             path = os.readlink("/proc/self/fd/%d" % fd)
         except OSError:
             path = ""
-        for folder, seconds in slow.items():
-            if os.sep + folder + os.sep in path:
-                time.sleep(seconds)
+        folder = os.path.basename(os.path.dirname(path))
+        root = os.path.dirname(os.path.dirname(path))
+        how = slow.get(folder)
+        if how is not None and how[0] == "sleep":
+            time.sleep(float(how[1]))
+        elif how is not None:
+            deadline = time.monotonic() + WAIT_LIMIT_S
+            while not os.path.exists(_marker(root, how[1])) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(AFTER_MARGIN_S)
         real_fsync(fd)
+        if folder.startswith("iter_"):
+            os.makedirs(os.path.join(root, ".fsynced"), exist_ok=True)
+            with open(_marker(root, folder), "a"):
+                pass
 
     os.fsync = fsync
     _installed = True

@@ -142,8 +142,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--slow-write",
         default="",
-        metavar="ITER:SECONDS[,...]",
-        help="each write of these iterations' files takes SECONDS longer (a slow file system)",
+        metavar="ITER:SECONDS|ITER:after=OTHER[,...]",
+        help="each write of these iterations' files takes SECONDS longer, or ends after OTHER's first (a slow "
+        "file system; slow_file_system.py)",
     )
     p.add_argument("--iteration", default="latest", help="resume: which iteration (a number, latest, or all)")
     p.add_argument(
