@@ -17,7 +17,11 @@
 #   4. the job on numpy 1.26.4 (carried): save and resume with the wheel; without it, the
 #      save fails with the _write_item error;
 #   5. mcore-autopatch selftest;
-#   6. nvidia-resiliency-ext 0.3.0's full async save (tests/import_scripts/nvrx_async_save.py).
+#   6. nvidia-resiliency-ext 0.3.0's full async save (tests/import_scripts/nvrx_async_save.py);
+#   7. async saves as Megatron-LM's loop makes them (two in flight, a synchronous one during
+#      an async one, one abandoned), every iteration loaded and compared; without
+#      write_results_per_save the same saves report success and do not load;
+#   8. a resume into another padded vocabulary (allow_shape_mismatch; 0.12.1 passes it itself).
 # Each step prints PASS or FAIL; the exit status is the number of failed steps.
 set -u
 cd "$(dirname "$0")/.."
@@ -100,5 +104,17 @@ step numpy1-job-save-without-fix fail env MCORE_AUTOPATCH=0 PYTHONPATH="$NUMPY1:
 expect_in_log numpy1-job-save-without-fix "_write_item() missing 1 required positional argument: 'serialization_format'"
 step selftest ok "$P" -m mcore_autopatch selftest
 step nvrx-async-save ok "$P" tests/import_scripts/nvrx_async_save.py "$ROOT_DIR/nvrx"
+ASYNC=(--scenario async-results --growing-object --slow-write "1:after=2,4:after=3" --device cuda --json)
+step async-saves ok "$P" $JOB --launch 2 save --root "$ROOT_DIR/async" "${ASYNC[@]}"
+step async-saves-load ok "$P" $JOB --launch 2 resume --iteration all --root "$ROOT_DIR/async" --growing-object \
+    --device cuda --json
+step async-saves-without-fix ok env MCORE_AUTOPATCH_SKIP=write_results_per_save,results_match_files \
+    "$P" $JOB --launch 2 save --root "$ROOT_DIR/async-without" "${ASYNC[@]}"
+step async-saves-without-fix-load fail env MCORE_AUTOPATCH_SKIP=write_results_per_save,results_match_files \
+    "$P" $JOB --launch 2 resume --iteration all --root "$ROOT_DIR/async-without" --growing-object --device cuda --json
+step vocab-save ok "$P" $JOB --launch 2 save --root "$ROOT_DIR/vocab" --state model --iterations 1 \
+    --padded-vocab 8 --device cuda --json
+step vocab-resume ok "$P" $JOB --launch 2 resume --root "$ROOT_DIR/vocab" --state model --padded-vocab 12 \
+    --saved-vocab 8 --device cuda --json
 echo "gpu-check: $failed step(s) failed; logs in $OUT_DIR"
 exit "$failed"
