@@ -63,7 +63,7 @@ REFERENCE = envs.REFERENCE_MEGATRON  # native serialization_format support: the 
 # the matrix's interpreters (docs/testing.md says which tier proves which cell).
 TIER_ENV = "MCORE_AUTOPATCH_TEST_TIER"
 EVERYDAY = "everyday"
-MATRIX_FIXTURES = {"other_python", "seed_python"}
+MATRIX_FIXTURES = {"other_python", "seed_python", "torchless_python"}
 
 
 def everyday_venv_keys() -> "set[str]":

@@ -331,7 +331,10 @@ def test_selftest_with_the_fix_round_trip_passes_exit_0(e2e_python, version):
     the same on any machine; what ran and how long it took is on stderr."""
     proc = cli(e2e_python, ["selftest"], version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout == "selftest: passed: plain and distributed-optimizer-style states saved and loaded back equal\n"
+    assert proc.stdout == (
+        "selftest: passed: plain and distributed-optimizer-style states, and two overlapping async saves, "
+        "loaded back equal\n"
+    )
     assert "megatron-core %s; fix needed: yes, applied: yes" % version in proc.stderr
     for state in ("plain", "distributed-optimizer-style"):
         assert re.search(r"%s state: saved in \d+\.\d\d s, loaded back equal in \d+\.\d\d s" % state, proc.stderr)
