@@ -29,7 +29,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, List, Tuple
 
-from mcore_autopatch.shared import code_reading, versions
+from mcore_autopatch.shared import code_reading, methods, versions
 from mcore_autopatch.shared.values import Decision
 
 PLANNER = "MCoreLoadPlanner"
@@ -38,7 +38,6 @@ TORCH_CHECK = "Size mismatch between saved"
 RIGID = "shapes_validation_sharded_tensors"  # what megatron-core validates itself
 # What 0.12+ have of their own to get past torch's check.
 OWN_BYPASS = ("_temporarily_bypass_shape_validation", "allow_shape_mismatch_sharded_tensors")
-MARK = "__mcore_autopatch__"
 
 
 class Evaluation:
@@ -124,22 +123,16 @@ def asked_sizes_while_planning(original: Callable[..., Any]) -> Callable[..., An
             for entry, size in changed:
                 entry.size = size
 
-    create_local_plan.__wrapped__ = original  # type: ignore[attr-defined]
-    create_local_plan.__doc__ = getattr(original, "__doc__", None)
-    create_local_plan.__qualname__ = "%s.create_local_plan" % PLANNER
-    setattr(create_local_plan, MARK, True)
-    return create_local_plan
+    return methods.marked(create_local_plan, original, "%s.create_local_plan" % PLANNER)
 
 
 def is_applied(module: ModuleType) -> bool:
-    planner = vars(module).get(PLANNER)
-    return isinstance(planner, type) and bool(getattr(vars(planner).get("create_local_plan"), MARK, False))
+    return methods.is_rebound(module, PLANNER, "create_local_plan")
 
 
 def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.planner is None:
         return ev.decision, is_applied(module)
-    if not is_applied(module):
-        ev.planner.create_local_plan = asked_sizes_while_planning(vars(ev.planner)["create_local_plan"])
+    methods.rebind(ev.planner, "create_local_plan", asked_sizes_while_planning)
     return ev.decision, True

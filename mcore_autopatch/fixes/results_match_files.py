@@ -25,12 +25,11 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Iterator, List
 
-from mcore_autopatch.shared import storage_layout
+from mcore_autopatch.shared import methods, storage_layout
 from mcore_autopatch.shared.log import logger
 from mcore_autopatch.shared.values import Decision
 
 WRITER_CLASS = "FileSystemWriterAsync"
-MARK = "__mcore_autopatch__"
 MEGATRON_EXCEPTIONS = "megatron.core.dist_checkpointing.core"
 
 
@@ -130,22 +129,16 @@ def finish_checking_files(original: Callable[..., Any], writer_module: str) -> C
             raise exception_type(writer_module)(problem)
         return original(self, metadata, results)
 
-    finish.__wrapped__ = original  # type: ignore[attr-defined]
-    finish.__doc__ = getattr(original, "__doc__", None)
-    finish.__qualname__ = "%s.finish" % WRITER_CLASS
-    setattr(finish, MARK, True)
-    return finish
+    return methods.marked(finish, original, "%s.finish" % WRITER_CLASS)
 
 
 def is_applied(module: ModuleType) -> bool:
-    writer = vars(module).get(WRITER_CLASS)
-    return isinstance(writer, type) and bool(getattr(vars(writer).get("finish"), MARK, False))
+    return methods.is_rebound(module, WRITER_CLASS, "finish")
 
 
 def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.writer is None:
         return ev.decision, is_applied(module)
-    if not is_applied(module):
-        ev.writer.finish = finish_checking_files(ev.writer.finish, module.__name__)
+    methods.rebind(ev.writer, "finish", lambda original: finish_checking_files(original, module.__name__))
     return ev.decision, True

@@ -25,14 +25,13 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from mcore_autopatch.shared import versions
+from mcore_autopatch.shared import methods, versions
 from mcore_autopatch.shared.values import Decision
 
 NAME = "sharded_objects_planned_once"
 PLANNER = "MCoreSavePlanner"
 METHOD = "_add_non_coordinator_iobytes_request"
 TORCH_PLANNER_MODULE = "torch.distributed.checkpoint.default_planner"
-MARK = "__mcore_autopatch__"
 
 
 class Evaluation:
@@ -96,21 +95,16 @@ def adding_only_what_is_missing(original: Callable[..., Any]) -> Callable[..., A
             return None  # torch planned every object of this rank already
         return original(self, plan)
 
-    _add_non_coordinator_iobytes_request.__wrapped__ = original  # type: ignore[attr-defined]
-    _add_non_coordinator_iobytes_request.__doc__ = getattr(original, "__doc__", None)
-    setattr(_add_non_coordinator_iobytes_request, MARK, True)
-    return _add_non_coordinator_iobytes_request
+    return methods.marked(_add_non_coordinator_iobytes_request, original, "%s.%s" % (PLANNER, METHOD))
 
 
 def is_applied(module: ModuleType) -> bool:
-    planner = vars(module).get(PLANNER)
-    return isinstance(planner, type) and bool(getattr(vars(planner).get(METHOD), MARK, False))
+    return methods.is_rebound(module, PLANNER, METHOD)
 
 
 def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.planner is None:
         return ev.decision, is_applied(module)
-    if not is_applied(module):
-        setattr(ev.planner, METHOD, adding_only_what_is_missing(vars(ev.planner)[METHOD]))
+    methods.rebind(ev.planner, METHOD, adding_only_what_is_missing)
     return ev.decision, True

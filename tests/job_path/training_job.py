@@ -747,7 +747,8 @@ def async_results_job(args, result):
 
 
 def load_iteration(args, iteration, rank, world, release):
-    """Load one iteration into a zeroed template and compare every value with what it saved."""
+    """Load one iteration into a zeroed template as Megatron-LM's resume does; (what differs
+    from what that iteration saved, the load strategy)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -765,7 +766,7 @@ def load_iteration(args, iteration, rank, world, release):
 
         kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
     loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
-    return compare(expected_values(args, iteration, rank, world), loaded)
+    return compare(expected_values(args, iteration, rank, world), loaded), strategy
 
 
 def resume_every_iteration(args, result):
@@ -783,7 +784,7 @@ def resume_every_iteration(args, result):
         if not entry["metadata"]:
             continue
         try:
-            mismatched = load_iteration(args, iteration, rank, world, release)
+            mismatched, _strategy = load_iteration(args, iteration, rank, world, release)
             entry["loaded_equal"] = not mismatched
             entry["mismatched"] = mismatched[:5]
         except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -794,7 +795,6 @@ def resume_every_iteration(args, result):
 
 
 def resume_job(args, result):
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     rank, world = init(args)
@@ -807,20 +807,7 @@ def resume_job(args, result):
     result["iteration"] = iteration
     result["common_iteration"] = common.get("iteration")
     result["common_args"] = compare({"args": training_args(iteration)}, {"args": common.get("args")}) == []
-    template = full_state(args, iteration, rank, world, zeros=True)
-    strategy = None
-    if release.fully_parallel and not args.plain_load:
-        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-
-        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), dist.group.WORLD)
-    kwargs = {}
-    if release.strict:
-        from megatron.core.dist_checkpointing.validation import StrictHandling
-
-        kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
-    loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
-    mismatched = compare(expected_values(args, iteration, rank, world), loaded)
+    mismatched, strategy = load_iteration(args, iteration, rank, world, release)
     result["mismatched"] = mismatched
     result["loaded_equal"] = not mismatched and result["common_args"]
     if args.then_save:
