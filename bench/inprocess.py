@@ -405,6 +405,59 @@ def shim_job(job: str, *args: str) -> None:
     runpy.run_path(job, run_name="__main__")
 
 
+def results_fixes(rounds: int, files: int) -> None:
+    """What write_results_per_save and results_match_files add to one save, in a process where
+    the hook applied them: the writer's queue (a new queue on the manager, against megatron-
+    core's cached one) and the check of ``files`` files before .metadata is written."""
+    import tempfile
+
+    writer = importlib.import_module(WRITER)
+    getter = writer._get_write_results_queue
+    if not getattr(getter, MARK, False):
+        raise SystemExit("write_results_per_save is not applied here")
+    from mcore_autopatch.fixes import results_match_files
+
+    original = getter.__wrapped__
+    folder = tempfile.mkdtemp(prefix="bench-results-")
+    infos = []
+    for i in range(files):
+        with open(os.path.join(folder, "__%d_0.distcp" % i), "wb") as f:
+            f.write(b"x" * 4096)
+        infos.append(
+            type(
+                "Result",
+                (),
+                {
+                    "storage_data": type(
+                        "Info", (), {"relative_path": "__%d_0.distcp" % i, "offset": 0, "length": 4096}
+                    )()
+                },
+            )()
+        )
+    fake_writer = type("Writer", (), {"path": folder})()
+
+    def queue_then_drop(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            t0 = time.perf_counter()
+            queue = fn()
+            del queue  # the writer drops its proxy after the finalize; the manager frees the queue
+            return time.perf_counter() - t0
+
+        return run
+
+    def check() -> float:
+        t0 = time.perf_counter()
+        if results_match_files.mismatch(fake_writer, [infos]) is not None:
+            raise SystemExit("the bench's files do not match")
+        return time.perf_counter() - t0
+
+    samples = alternate(
+        {"per-save queue": queue_then_drop(getter), "shared queue": queue_then_drop(original), "file check": check},
+        rounds,
+    )
+    emit({name: [s * 1e3 for s in values] for name, values in samples.items()})
+
+
 def main(argv: List[str]) -> int:
     name, args = argv[0], argv[1:]
     if name == "shim-job":
@@ -418,6 +471,7 @@ def main(argv: List[str]) -> int:
             "fix-total": fix_total,
             "fix-breakdown": fix_breakdown,
             "per-item": per_item,
+            "results-fixes": results_fixes,
         }[name](*(int(a) for a in args))
     return 0
 
