@@ -13,7 +13,7 @@ demo:
 	@$(PYTHON) tools/demo.py
 
 # The everyday tier (README, CI first): ruff, then every test not marked `matrix`, on torch
-# 2.13.0 (the CPU wheel on this disk) and its numpy 2 clone. About 2 GB of environments.
+# 2.13.0 (the CPU wheel on this disk) and its numpy 2 clone. About 1.5 GB of environments.
 test-env:
 	@$(PYTHON) tools/envs.py everyday
 

@@ -2,7 +2,7 @@
 
 Standard library only; run with any Python 3.8+:
 
-    python3 tools/envs.py everyday                  # what `make test` needs (about 2 GB)
+    python3 tools/envs.py everyday                  # what `make test` needs (about 1.5 GB)
     python3 tools/envs.py                           # everything, for `make test-matrix` too
     python3 tools/envs.py tools e2e mcore           # only some of it (see TARGETS)
     python3 tools/envs.py demo                      # .venv for `make demo`
