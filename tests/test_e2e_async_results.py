@@ -37,8 +37,8 @@ from conftest import (
 
 pytestmark = pytest.mark.e2e
 
-# Save 1's write ends after save 2's, save 4's after save 3's: each waits for the other's first
-# fsync (then one second), so the order holds on a loaded machine. The persistent worker
+# Save 1's write ends after save 2's, save 4's after save 3's: each file's fsync waits for the
+# other save's file of the same name (then two seconds), so the order holds on a loaded machine. The persistent worker
 # writes one save after the other, so there save 1 is only slower.
 SCENARIO = ["--scenario", "async-results", "--growing-object"]
 SLOW = {"temporal": "1:after=2,4:after=3", "persistent": "1:2.5,4:after=3"}
