@@ -235,7 +235,7 @@ def fix_breakdown() -> None:
     decision = step(
         "decision",
         lambda: write_item.decide(
-            "auto", version, signature, write_item.torch_version(), write_item.torch_has(fs), call=call
+            "auto", version, signature, versions.torch_version(), write_item.torch_has(fs), call=call
         ),
     )
     if decision.plan is None:
@@ -419,22 +419,15 @@ def results_fixes(rounds: int, files: int) -> None:
 
     original = getter.__wrapped__
     folder = tempfile.mkdtemp(prefix="bench-results-")
-    infos = []
+    from types import SimpleNamespace
+
+    results = []  # what the write workers' WriteResults carry that the check reads
     for i in range(files):
-        with open(os.path.join(folder, "__%d_0.distcp" % i), "wb") as f:
+        name = "__%d_0.distcp" % i
+        with open(os.path.join(folder, name), "wb") as f:
             f.write(b"x" * 4096)
-        infos.append(
-            type(
-                "Result",
-                (),
-                {
-                    "storage_data": type(
-                        "Info", (), {"relative_path": "__%d_0.distcp" % i, "offset": 0, "length": 4096}
-                    )()
-                },
-            )()
-        )
-    fake_writer = type("Writer", (), {"path": folder})()
+        results.append(SimpleNamespace(storage_data=SimpleNamespace(relative_path=name, offset=0, length=4096)))
+    writer_at_folder = SimpleNamespace(path=folder)
 
     def queue_then_drop(fn: Callable[[], Any]) -> Callable[[], float]:
         def run() -> float:
@@ -447,7 +440,7 @@ def results_fixes(rounds: int, files: int) -> None:
 
     def check() -> float:
         t0 = time.perf_counter()
-        if results_match_files.mismatch(fake_writer, [infos]) is not None:
+        if results_match_files.mismatch(writer_at_folder, [results]) is not None:
             raise SystemExit("the bench's files do not match")
         return time.perf_counter() - t0
 

@@ -127,7 +127,6 @@ def save_throughput(e: BenchEnvs, mib: int, rounds: int, budget: bool, reference
                 % (RESULTS_FIXES, spread(without)),
             )
         )
-        rows += results_fixes_cost(e, 7 if quick_rounds(rounds) else 21, fixed, mib)
     if references:
         rows += [
             Row(
@@ -150,10 +149,6 @@ def save_throughput(e: BenchEnvs, mib: int, rounds: int, budget: bool, reference
             ),
         ]
     return rows
-
-
-def quick_rounds(rounds: int) -> bool:
-    return rounds < 5
 
 
 RESULTS_FILES = 8  # the .distcp files of a save of 4 ranks at thread_count 2
@@ -229,7 +224,9 @@ def per_item(e: BenchEnvs, rounds: int) -> List[Row]:
 
 def run(e: BenchEnvs, quick: bool) -> List[Row]:
     rows = per_item(e, 7 if quick else 21)
-    rows += save_throughput(e, 256, 2 if quick else 5, budget=True, references=True)
+    throughput = save_throughput(e, 256, 2 if quick else 5, budget=True, references=True)
+    rows += throughput
+    rows += results_fixes_cost(e, 7 if quick else 21, median(throughput[0].data["samples"]["fixed"]), 256)
     rows += save_throughput(e, 1024, 1 if quick else 3, budget=False, references=False)
     return rows
 

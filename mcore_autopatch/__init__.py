@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["__version__", "activate", "install", "read_mode", "status"]
 
-# The modules whose execution the fixes wait for (the table is mcore_autopatch/fixes.py, not
+# The modules whose execution the fixes wait for (the table is mcore_autopatch/fixes/, not
 # imported here: this runs at every interpreter start; a test checks the two agree).
 # megatron-core's writer: its ``_write_item`` global is rebound.
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"

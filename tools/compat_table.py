@@ -41,6 +41,8 @@ RESUME_CHECKS = (
 MATRIX_CHECKS = SAVE_CHECKS + RESUME_CHECKS
 ENVIRONMENTS = os.path.join(ROOT, ".cache", "compat-environments.json")
 TIERS = ("everyday", "matrix")  # tests/conftest.py: `make test`, `make test-matrix`
+# Merging the tiers' verdicts for one check: a failure anywhere stands, a pass beats a skip.
+VERDICT_RANK = {"skipped": 0, "passed": 1, "failed": 2}
 
 Results = Dict[str, Dict[str, Dict[str, str]]]  # release -> venv key -> what -> passed/failed/skipped
 # venv key ("2.9.0", "2.9.0-numpy2", "py312") -> {"torch", "python", "numpy", "setuptools"}
@@ -172,7 +174,7 @@ def merged(paths: "list[str]") -> Dict[str, Dict[str, Dict[str, str]]]:
                 for key, checks in by_key.items():
                     cell = out.setdefault(version, {}).setdefault(key, {})
                     for what, verdict in checks.items():
-                        if cell.get(what) != "failed" and (cell.get(what) != "passed" or verdict == "failed"):
+                        if VERDICT_RANK[verdict] > VERDICT_RANK.get(cell.get(what, ""), -1):
                             cell[what] = verdict
     return out
 

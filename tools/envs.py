@@ -782,13 +782,17 @@ TARGETS = {
 }
 
 
+GROUPS = {"everyday": EVERYDAY_TARGETS}  # a name for several targets
+
+
 def main(argv: "list[str]") -> int:
-    names = argv or DEFAULT_TARGETS
-    if names == ["everyday"]:
-        names = EVERYDAY_TARGETS
+    names = [target for name in (argv or DEFAULT_TARGETS) for target in GROUPS.get(name, [name])]
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
-        print("unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join(TARGETS)), file=sys.stderr)
+        print(
+            "unknown target(s): %s; choose from %s" % (", ".join(unknown), ", ".join([*GROUPS, *TARGETS])),
+            file=sys.stderr,
+        )
         return 2
     for name in names:
         started = time.time()

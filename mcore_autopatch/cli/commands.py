@@ -3,9 +3,9 @@
 * ``status [--json]``: a short report (or the ``status()`` dict as JSON).
 * ``check``: exit 0 when the fix is active or not needed, 1 when it is needed but would
   not be active in this interpreter, 2 when it cannot tell; one line saying which.
-* ``selftest [--dir DIR]``: a real tiny async save and load (plain and
-  distributed-optimizer-style state); exit 0 only when both round trips are equal, 1 when one
-  fails, 2 when it cannot run here.
+* ``selftest [--dir DIR]``: real tiny async saves and loads (plain and
+  distributed-optimizer-style state, two overlapping saves); exit 0 only when every round trip
+  is equal, 1 when one fails, 2 when it cannot run here.
 * ``inspect DIR [--json]``: what a torch_dist checkpoint holds (which torch wrote it,
   ``mcore_data``, N-D flattened tensors, whether its files match its ``.metadata``) and whether
   it loads in this environment; exit 1 when its files do not match (another save's write results).

@@ -4,12 +4,14 @@ One gloo rank with an in-memory store (no network, no GPU needed), a temporary f
 ``dist_checkpointing.save(..., async_sharded_save=True)`` then ``execute_sync()`` (the
 write a training job's async worker does), then ``dist_checkpointing.load`` and an exact
 comparison; twice: a plain tensor, then a weight with its distributed-optimizer state (an
-N-D flattened tensor), whose checkpoint must also keep megatron-core's ``mcore_data``.
+N-D flattened tensor), whose checkpoint must also keep megatron-core's ``mcore_data``. Then
+two async saves in flight at once, the second's write done first and both finalized in call
+order, as Megatron-LM's loop finalizes them: each must load back its own state.
 It runs megatron-core's own writer through the normal import system, so the
 fix is in play exactly when it would be in a job started the same way. With the fix
 switched off on an affected stack it fails the way training jobs fail, and says so.
 
-Exit codes: 0 both round trips are equal, 1 one failed, 2 it cannot run here (torch or
+Exit codes: 0 every round trip is equal, 1 one failed, 2 it cannot run here (torch or
 megatron-core missing, or a megatron-core whose save path needs CUDA on a CPU machine).
 stdout carries one line, the verdict (``selftest: passed`` / ``FAILED: ...`` / ``cannot
 run: ...``); what it does and how long each step took go to stderr.
@@ -268,7 +270,7 @@ def _overlapping_saves(streams: _Streams, torch: Any, dist_checkpointing: Any, f
             try:
                 loaded = dist_checkpointing.load(template, ckpt)
             except BaseException as exc:  # torch's CheckpointException is a BaseException
-                if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 streams.verdict(
                     "FAILED: overlapping async saves: save %d reported success and cannot be loaded (%s): it was "

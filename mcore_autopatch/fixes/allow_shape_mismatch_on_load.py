@@ -50,8 +50,7 @@ class Evaluation:
 
 def torch_compares_sizes() -> "Tuple[bool | None, str]":
     """Whether torch's local load plan refuses a saved size that differs from the asked one."""
-    torch = sys.modules.get("torch")
-    label = "torch %s" % getattr(torch, "__version__", "(unknown version)")
+    label = "torch %s" % versions.torch_version()
     plan = getattr(sys.modules.get(TORCH_PLANNER_MODULE), "create_default_local_load_plan", None)
     code = getattr(plan, "__code__", None)
     if code is None:

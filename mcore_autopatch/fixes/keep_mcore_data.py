@@ -28,12 +28,11 @@ attributes from the old ``Metadata`` to the new one; everything else is the real
 from __future__ import annotations
 
 import dataclasses
-import dis
 import sys
-from types import CodeType, ModuleType
+from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
-from mcore_autopatch.shared import versions
+from mcore_autopatch.shared import code_reading, versions
 from mcore_autopatch.shared.values import Decision
 
 TORCH_FS_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -104,22 +103,14 @@ def _is_dataclasses(obj: Any) -> bool:
     return standin.real_module(obj) is dataclasses
 
 
-def _attribute_stores(code: CodeType) -> "set[str]":
-    """The names ``code``'s STORE_ATTR instructions assign (``obj.name = ...``)."""
-    return {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
-
-
 def stored_attributes(function: Any, names: Tuple[str, ...] = KNOWN_ATTRIBUTES) -> "set[str]":
     """Which of ``names`` ``function`` (or a function nested in it) assigns as an attribute.
     Only code that mentions one of them is scanned."""
     code = getattr(unwrap(function), "__code__", None)
     stored: "set[str]" = set()
-    stack = [code] if code is not None else []
-    while stack:
-        current = stack.pop()
+    for current in code_reading.nested(code) if code is not None else ():
         if not set(names).isdisjoint(current.co_names):
-            stored |= _attribute_stores(current) & set(names)
-        stack.extend(const for const in current.co_consts if isinstance(const, CodeType))
+            stored |= code_reading.stored_names(current, "STORE_ATTR") & set(names)
     return stored
 
 
@@ -168,7 +159,7 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
     fs = sys.modules.get(TORCH_FS_MODULE)
     metadata_module = sys.modules.get(TORCH_METADATA_MODULE)
     metadata_type = getattr(metadata_module, "Metadata", None)
-    torch_label = "torch %s" % _torch_version()
+    torch_label = "torch %s" % versions.torch_version()
     if fs is None or not isinstance(metadata_type, type):
         return Evaluation(Decision(None, "%s's checkpoint filesystem module is not loaded" % torch_label))
     finish = read_finish(fs)
@@ -186,11 +177,6 @@ def evaluate(strategies_torch: ModuleType, mode: str) -> Evaluation:
         return Evaluation(Decision(False, reason), fs, metadata_type, attributes, finish)
     reason = "%s's %s, dropping %s that %s sets on it" % (torch_label, finish.text, listed, megatron)
     return Evaluation(Decision(True, reason), fs, metadata_type, attributes, finish)
-
-
-def _torch_version() -> str:
-    version = getattr(sys.modules.get("torch"), "__version__", None)
-    return str(version) if version is not None else "(unknown version)"
 
 
 # --- the rebinding ---------------------------------------------------------------------

@@ -42,10 +42,9 @@ class Evaluation:
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    from mcore_autopatch.fixes.write_results_per_save import library_label
-    from mcore_autopatch.shared import code_reading
+    from mcore_autopatch.shared import code_reading, versions
 
-    label = library_label(module)
+    label = versions.module_label(module.__name__)
     writer = vars(module).get(WRITER_CLASS)
     if not isinstance(writer, type):
         return Evaluation(Decision(False, "%s has no %s: no async writer here" % (label, WRITER_CLASS)))

@@ -49,8 +49,7 @@ class Evaluation:
 def torch_plans_objects_on_every_rank() -> "tuple[Optional[bool], str]":
     """Whether torch's ``create_default_local_save_plan`` plans a BytesIO on a rank that is
     not the coordinator, asked of torch itself."""
-    torch = sys.modules.get("torch")
-    label = "torch %s" % getattr(torch, "__version__", "(unknown version)")
+    label = "torch %s" % versions.torch_version()
     planner_module = sys.modules.get(TORCH_PLANNER_MODULE)
     plan = getattr(planner_module, "create_default_local_save_plan", None)
     if plan is None:

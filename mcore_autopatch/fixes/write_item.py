@@ -366,12 +366,6 @@ def torch_has(fs: Optional[ModuleType]) -> Callable[[str], bool]:
     return has
 
 
-def torch_version() -> str:
-    torch = sys.modules.get("torch")
-    version = getattr(torch, "__version__", None)
-    return str(version) if version is not None else "(unknown version)"
-
-
 class Evaluation:
     """The decision for one writer module, with what applying it needs."""
 
@@ -409,7 +403,7 @@ def evaluate(writer: ModuleType, mode: str) -> Evaluation:
     signature = read_signature(original)
     call = read_call(writer)
     version = versions.writer_version(known)
-    decision = decide(mode, version, signature, torch_version(), torch_has(fs), known, call)
+    decision = decide(mode, version, signature, versions.torch_version(), torch_has(fs), known, call)
     return Evaluation(decision, fs, original, signature, call)
 
 

@@ -28,11 +28,10 @@ time. Nothing changes in what a checkpoint holds.
 
 from __future__ import annotations
 
-import dis
 from types import ModuleType
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
-from mcore_autopatch.shared import code_reading, versions, writers
+from mcore_autopatch.shared import code_reading, versions
 from mcore_autopatch.shared.log import logger
 from mcore_autopatch.shared.values import Decision
 
@@ -60,19 +59,12 @@ class Evaluation:
         self.shared = shared
 
 
-def library_label(module: ModuleType) -> str:
-    known = writers.for_module(module.__name__)
-    if known is None:
-        return module.__name__
-    return "%s %s" % (known.name, versions.writer_version(known).version or "(unknown version)")
-
-
 def globals_stored(function: Any) -> "set[str]":
-    """The module globals ``function`` assigns (``global X; X = ...``)."""
+    """The module globals ``function`` (or code nested in it) assigns (``global X; X = ...``)."""
     code = getattr(function, "__code__", None)
     if code is None:
         return set()
-    return {i.argval for c in code_reading.nested(code) for i in dis.get_instructions(c) if i.opname == "STORE_GLOBAL"}
+    return {name for c in code_reading.nested(code) for name in code_reading.stored_names(c, "STORE_GLOBAL")}
 
 
 def shared_queues(module: ModuleType) -> Tuple[SharedQueue, ...]:
@@ -95,7 +87,7 @@ def shared_queues(module: ModuleType) -> Tuple[SharedQueue, ...]:
 
 
 def evaluate(module: ModuleType, mode: str) -> Evaluation:
-    label = library_label(module)
+    label = versions.module_label(module.__name__)
     writer = vars(module).get(WRITER_CLASS)
     if not isinstance(writer, type):
         return Evaluation(Decision(False, "%s has no %s: no async writer here" % (label, WRITER_CLASS)))
@@ -157,15 +149,7 @@ def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     if not ev.decision.needed:
         return ev.decision, is_applied(module)
     namespace = vars(module)
-    for shared in ev.shared:
-        current: Optional[Any] = namespace.get(shared.name)
-        if getattr(current, MARK, False):
-            continue
-        if current is not shared.getter:
-            return Decision(
-                True,
-                "%s; but %s.%s is already %r, so it is left alone"
-                % (ev.decision.reason, module.__name__, shared.name, current),
-            ), False
-        namespace[shared.name] = queue_per_save(module, shared)
+    for shared in ev.shared:  # the getter read here is the module's own, or ours already
+        if not getattr(namespace.get(shared.name), MARK, False):
+            namespace[shared.name] = queue_per_save(module, shared)
     return ev.decision, True

@@ -111,6 +111,12 @@ def attributes_loaded(code: CodeType, owners: FrozenSet[str], wanted: FrozenSet[
     return frozenset(found)
 
 
+def stored_names(code: CodeType, opname: str) -> "set[str]":
+    """The names ``code``'s ``opname`` instructions store (``STORE_ATTR``: ``obj.name = ...``,
+    ``STORE_GLOBAL``: ``global name; name = ...``), in this code object only."""
+    return {i.argval for i in dis.get_instructions(code) if i.opname == opname}
+
+
 def globals_bound_to(module: ModuleType, target: Any, unwrap: Any = None) -> FrozenSet[str]:
     """The names under which ``module``'s globals hold ``target`` (``np`` for numpy)."""
     unwrap = unwrap or (lambda obj: obj)

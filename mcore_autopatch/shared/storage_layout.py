@@ -34,18 +34,10 @@ class FileMismatch(Record):
     @property
     def text(self) -> str:
         if self.end > self.size:
-            return "%s holds %d bytes, but its last item ends at %d (%d bytes past the end)" % (
-                self.name,
-                self.size,
-                self.end,
-                self.end - self.size,
-            )
-        return "%s holds %d bytes, but its last item ends at %d (%d bytes that no item covers)" % (
-            self.name,
-            self.size,
-            self.end,
-            self.size - self.end,
-        )
+            gap = "%d bytes past the end" % (self.end - self.size)
+        else:
+            gap = "%d bytes that no item covers" % (self.size - self.end)
+        return "%s holds %d bytes, but its last item ends at %d (%s)" % (self.name, self.size, self.end, gap)
 
 
 def ends_by_file(storage_infos: Iterable[Any]) -> Dict[str, Tuple[int, int]]:

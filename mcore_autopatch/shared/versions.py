@@ -14,7 +14,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 from mcore_autopatch.shared.values import Record
-from mcore_autopatch.shared.writers import MEGATRON_CORE, KnownWriter
+from mcore_autopatch.shared.writers import MEGATRON_CORE, KnownWriter, for_module
 
 # A version in its canonical PEP 440 form ("0.12.1", "0.13.0rc0", "0.12.1.dev0+mindspeed"):
 # its release numbers are read without importing packaging (a millisecond at the watched
@@ -69,9 +69,26 @@ class WriterVersion(Record):
 _versions: "dict[str, tuple[Any, Any, WriterVersion, bool]]" = {}
 
 
+def torch_version() -> str:
+    """The imported torch's version ("2.13.0+cpu"), as every fix names it in its reasons."""
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return str(version) if version is not None else "(unknown version)"
+
+
+def writer_label(writer: KnownWriter) -> str:
+    """ "nvidia-resiliency-ext 0.4.1": how a fix names the release of a writer it reads."""
+    return "%s %s" % (writer.name, writer_version(writer).version or "(unknown version)")
+
+
+def module_label(module_name: str) -> str:
+    """The release of the known writer ``module_name`` belongs to, or the module's name."""
+    known = for_module(module_name)
+    return module_name if known is None else writer_label(known)
+
+
 def megatron_core_label() -> str:
     """ "megatron-core 0.12.1": how every fix names the release in its reasons."""
-    return "megatron-core %s" % (writer_version(MEGATRON_CORE).version or "(unknown version)")
+    return writer_label(MEGATRON_CORE)
 
 
 def writer_version(writer: KnownWriter) -> WriterVersion:

@@ -4,7 +4,7 @@ Each entry says where the writer lives, where its version comes from, and from w
 release it passes what torch asks for. The mechanism (watch the module, read torch's
 signature and the writer's own call, rebind the module's ``_write_item`` global) is the same
 for every entry. Adding a writer is one entry here, its row in the table of fixes
-(``mcore_autopatch/fixes.py``), its module name in the startup watch list of
+(``mcore_autopatch/fixes/__init__.py``), its module name in the startup watch list of
 ``mcore_autopatch/__init__.py`` (a test checks that the two agree), and its tests.
 """
 
