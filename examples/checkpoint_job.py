@@ -285,23 +285,41 @@ def run_ranks(script, child_argv, count, timeout):
             [sys.executable, os.path.abspath(script), *child_argv, "--json"],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
+            start_new_session=True,  # a rank that must be stopped is stopped with what it started
         )
         for r in range(count)
     ]
     ranks = []
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
+        for r, p in enumerate(procs):
+            try:  # a rank prints one line: waiting before reading cannot fill the pipe
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                exited = True
+            except subprocess.TimeoutExpired:  # what it printed before it was stopped still counts
+                exited = False
+            stop(p)  # and whatever it left running, which would hold its stdout open
+            out, _ = p.communicate()
             lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
-            ranks.append(json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode})
-    except subprocess.TimeoutExpired:
-        ranks.append({"ok": False, "error": "a rank did not finish within %s s" % timeout})
+            rank = json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode}
+            rank["exited"] = exited
+            if not exited:
+                rank["ok"] = False
+                rank["error"] = rank.get("error") or "rank %d did not exit within %s s" % (r, timeout)
+            ranks.append(rank)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            stop(p)
     return ranks
+
+
+def stop(process):
+    """Kill a rank and every process it started (they hold its stdout open)."""
+    try:
+        os.killpg(process.pid, 9)
+    except OSError:
+        pass
+    process.wait()
 
 
 def launch(args, argv):

@@ -30,6 +30,12 @@ WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 IMPORTER_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 # nvidia-resiliency-ext's copy of the writer (0.3.0 makes megatron-core 0.12's call).
 NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+# The async callers and their queue (megatron-core's and nvidia-resiliency-ext's copy): where a
+# failed async save is made to fail on every rank.
+ASYNC_MODULES = (
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
+)
 _CHECKPOINTING = "megatron.core.dist_checkpointing."
 # The other modules of megatron-core whose code a fix reads: the checkpointing modules that
 # call numpy.product or read files with a bare torch.load, and the modules that run
@@ -51,7 +57,7 @@ _OTHER_WATCHED = (
 # Two callbacks, by "module:function" name, resolved only when a watched module is imported:
 # one just before its body runs, one right after.
 _HOOKS = (("mcore_autopatch.fixes:before_module_executes",), ("mcore_autopatch.fixes:on_module_executed",))
-_WATCHED = dict.fromkeys((WRITER_MODULE, IMPORTER_MODULE, NVRX_WRITER_MODULE, *_OTHER_WATCHED), _HOOKS)
+_WATCHED = dict.fromkeys((WRITER_MODULE, IMPORTER_MODULE, NVRX_WRITER_MODULE, *ASYNC_MODULES, *_OTHER_WATCHED), _HOOKS)
 
 _OFF_WORDS = ("0", "off", "false", "no")
 

@@ -168,6 +168,10 @@ class FakeWriteResult:  # FAKE: torch's WriteResult, its storage_data only
     def __init__(self, relative_path, offset, length):
         self.storage_data = FakeStorageInfo(relative_path, offset, length)
 
+    def __eq__(self, other):  # they come back through a manager's queue: a copy
+        mine, theirs = self.storage_data, getattr(other, "storage_data", None)
+        return vars(mine) == vars(theirs) if theirs is not None else NotImplemented
+
 
 def files(folder, sizes):
     for name, size in sizes.items():
@@ -175,47 +179,57 @@ def files(folder, sizes):
             f.write(b"x" * size)
 
 
-def test_results_that_end_where_each_file_ends_pass_and_finish_runs(tmp_path, shared_queue_module):
-    files(tmp_path, {"__0_0.distcp": 300, "__1_0.distcp": 120})
+def writer_with_results(module, folder, results):
+    """A FAKE writer of ``module`` whose queue holds ``results`` (this rank's, as its writers put them)."""
+    writer = module.FileSystemWriterAsync()
+    writer.path = str(folder)
+    writer.prepare_write_data()
+    writer.results_queue.put(results)
+    return writer
+
+
+def test_results_that_end_where_each_of_the_ranks_files_ends_pass(tmp_path, shared_queue_module):
+    files(tmp_path, {"__0_0.distcp": 300, "__0_1.distcp": 120})
     results_match_files.apply(shared_queue_module, "auto")
-    writer = shared_queue_module.FileSystemWriterAsync()
-    writer.path = str(tmp_path)
-    results = [[FakeWriteResult("__0_0.distcp", 0, 100), FakeWriteResult("__0_0.distcp", 100, 200)]]
-    results.append([FakeWriteResult("__1_0.distcp", 0, 120)])
-    writer.finish("metadata", results)
-    assert writer.finished == ("metadata", results)
+    results = [FakeWriteResult("__0_0.distcp", 0, 100), FakeWriteResult("__0_0.distcp", 100, 200)]
+    results.append(FakeWriteResult("__0_1.distcp", 0, 120))
+    assert writer_with_results(shared_queue_module, tmp_path, results).retrieve_write_results() == results
 
 
 @pytest.mark.parametrize("size,words", [(280, "20 bytes past the end"), (310, "10 bytes that no item covers")])
-def test_results_of_another_save_stop_finish_before_metadata_is_written(tmp_path, shared_queue_module, size, words):
+def test_results_of_another_save_are_this_ranks_failure_for_the_gather(tmp_path, shared_queue_module, size, words):
+    """The rank's results become a wrapped exception (what torch's gather reports for a rank whose
+    write failed): the coordinator writes no .metadata and names the rank."""
     files(tmp_path, {"__0_0.distcp": size})
     results_match_files.apply(shared_queue_module, "auto")
-    writer = shared_queue_module.FileSystemWriterAsync()
-    writer.path = str(tmp_path)
-    with pytest.raises(RuntimeError) as raised:  # the FAKE module has no CheckpointingException
-        writer.finish(
-            "metadata", [[FakeWriteResult("__0_0.distcp", 0, 100), FakeWriteResult("__0_0.distcp", 100, 200)]]
-        )
-    assert "__0_0.distcp holds %d bytes, but its last item ends at 300 (%s)" % (size, words) in str(raised.value)
-    assert "resume from another iteration" in str(raised.value)
-    assert not hasattr(writer, "finished")
+    results = [FakeWriteResult("__0_0.distcp", 0, 100), FakeWriteResult("__0_0.distcp", 100, 200)]
+    failure = writer_with_results(shared_queue_module, tmp_path, results).retrieve_write_results()
+    assert isinstance(failure, tuple) and isinstance(failure[0], RuntimeError)  # the FAKE module has no own type
+    text = str(failure[0])
+    assert "__0_0.distcp holds %d bytes, but its last item ends at 300 (%s)" % (size, words) in text
+    assert "resume from another iteration" in text
 
 
 def test_files_this_rank_cannot_see_are_not_checked(tmp_path, shared_queue_module):
-    """Another node's local disk: the coordinator sees none of its files."""
+    """An object store's files, or any not on this rank's disk: not checked, not failed."""
     results_match_files.apply(shared_queue_module, "auto")
-    writer = shared_queue_module.FileSystemWriterAsync()
-    writer.path = str(tmp_path)
-    writer.finish("metadata", [[FakeWriteResult("__7_0.distcp", 0, 100)]])
-    assert writer.finished[0] == "metadata"
+    results = [FakeWriteResult("__7_0.distcp", 0, 100)]
+    assert writer_with_results(shared_queue_module, tmp_path, results).retrieve_write_results() == results
 
 
-def test_a_writer_that_is_not_a_local_folder_is_not_checked(shared_queue_module):
+def test_a_writer_that_is_not_a_local_folder_is_not_checked(shared_queue_module, tmp_path):
     results_match_files.apply(shared_queue_module, "auto")
-    writer = shared_queue_module.FileSystemWriterAsync()
+    writer = writer_with_results(shared_queue_module, tmp_path, [FakeWriteResult("__0_0.distcp", 0, 100)])
     writer.path = "msc://bucket/ckpt/iter_0000010"
-    writer.finish("metadata", [[FakeWriteResult("__0_0.distcp", 0, 100)]])
-    assert writer.finished[0] == "metadata"
+    assert len(writer.retrieve_write_results()) == 1
+
+
+def test_a_failure_megatron_core_reports_itself_passes_through(tmp_path, shared_queue_module):
+    """0.14+: retrieve_write_results returns a write error wrapped; it is left as it is."""
+    results_match_files.apply(shared_queue_module, "auto")
+    failure = (OSError(28, "No space left on device"), None)
+    passed = writer_with_results(shared_queue_module, tmp_path, failure).retrieve_write_results()
+    assert isinstance(passed, tuple) and str(passed[0]) == str(failure[0])
 
 
 def test_results_match_files_is_not_needed_where_results_are_the_writers_own():

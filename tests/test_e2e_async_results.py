@@ -147,7 +147,11 @@ def test_after_an_abort_shut_the_results_manager_down_the_next_save_gets_a_new_o
         torch_python(EVERYDAY), "0.12.1", "--abandon", "shut-down-manager", env={"MCORE_AUTOPATCH_SKIP": BOTH}
     )
     assert not off["save"]["ok"]
-    assert "Broken pipe" in off["save"]["error"] or "Connection" in off["save"]["error"], off["save"]["error"]
+    # The save's process cannot put its results on the dead manager's queue: megatron-core's own
+    # error (Broken pipe, Connection refused), or, where failed_saves_raise_everywhere fails that
+    # save on every rank, the process's exit code.
+    error = off["save"]["error"]
+    assert "Broken pipe" in error or "Connection" in error or "exited with code 1" in error, error
 
 
 def test_inspect_names_a_checkpoint_finalized_with_another_saves_results(torch_python, python_without_wheel):

@@ -63,9 +63,14 @@ ROW_ARGS: Dict[str, List[str]] = {
         "0.13.1": [],
         "0.14.0": [],
         "0.15.3": [],
+        "0.16.1": ["--state", "model"],  # 0.16 saves no flattened tensors
     }.items()
 }
-CPU_ONLY = {"0.14.0", "0.15.3"}  # on torch 2.13.0 (the CPU wheel)
+# Every resume also describes the checkpoint without loading it and loads it strictly (Megatron-LM's
+# --dist-ckpt-strictness raise_all, 0.8+): on torch 2.15 both build meta tensors from
+# TensorProperties, which gained strides (tensor_properties_fields).
+READS = ["--read-metadata"]
+STRICT = ["--strict", "raise_all"]
 FRESH_JOB = "job path on a fresh stack: saves, resumes equal (Namespace args, rng_state)"
 FRESH_OFF = "job path on a fresh stack, without the package: fails as upstream fails"
 
@@ -76,17 +81,13 @@ EVERY_PAIR = {"0.12.1"}
 
 
 def cells_of(version: str) -> List[str]:
-    """Each row runs on numpy 2 and numpy 1.26 and on torch 2.9.0 and the newest: numpy 2 on
-    2.9.0 (where every fix applies at once) and numpy 1.26 on 2.15.0; numpy's break lies in
-    megatron-core's code, torch's elsewhere, so each pair adds what the other does not."""
-    if version in CPU_ONLY:
-        return [fresh_key("2.13.0", line) for line in envs.NUMPY_LINES]
-    diagonal = [fresh_key("2.9.0", "numpy2"), fresh_key("2.15.0", "numpy1")]
-    return [*diagonal, fresh_key("2.15.0", "numpy2")] if version in EVERY_PAIR else diagonal
+    """Each row runs on torch 2.9.0 (numpy 2: where every fix applies at once) and on the
+    registry's newest, 2.15.0, with numpy 1.26 and with numpy 2 (what a fresh image has)."""
+    return [fresh_key("2.9.0", "numpy2"), fresh_key("2.15.0", "numpy1"), fresh_key("2.15.0", "numpy2")]
 
 
-def torches(version: str) -> List[str]:
-    return ["2.13.0"] if version in CPU_ONLY else ["2.9.0", "2.15.0"]
+def resume_args(version: str) -> List[str]:
+    return READS + (STRICT if release(version) >= (0, 8) else [])  # 0.6 / 0.7 have no strictness
 
 
 CELLS = [
@@ -113,10 +114,11 @@ def assert_saved_and_resumed(
     assert all(r["numpy"].startswith("2.") if line == "numpy2" else r["numpy"] == "1.26.4" for r in ranks)
     assert all(r["cached_structure_reused"] in (True, None) for r in ranks)  # None: 0.6 / 0.7 have none
     assert all(stack_untouched(r, version, pkg_resources) for r in ranks), [r.get("stack") for r in ranks]
-    resume = run_training_job(python(cell), version, "resume", copy_of(save["root"]), *args)
+    resume = run_training_job(python(cell), version, "resume", copy_of(save["root"]), *args, *resume_args(version))
     assert resume["ok"], job_failure(resume)
     assert [r["iteration"] for r in resume["ranks"]] == [2, 2]
     assert all(r["loaded_equal"] and r["common_args"] for r in resume["ranks"])
+    assert all(set(r["metadata_reads"].values()) == {True} for r in resume["ranks"]), resume["ranks"][0]
     assert all(stack_untouched(r, version, pkg_resources) for r in resume["ranks"])
     return save
 
@@ -147,8 +149,10 @@ def first_failure_on_numpy_2(version: str) -> str:
     return NO_PKG_RESOURCES if version in ("0.7.0", "0.8.0") else PRODUCT
 
 
-OFF_NUMPY2 = [
-    pytest.param(v, fresh_key(torches(v)[0], "numpy2"), marks=pytest.mark.compat(v, FRESH_OFF), id=v) for v in ROW_ARGS
+OFF_NUMPY2 = [  # 0.16 no longer calls what numpy 2 removed
+    pytest.param(v, fresh_key("2.9.0", "numpy2"), marks=pytest.mark.compat(v, FRESH_OFF), id=v)
+    for v in ROW_ARGS
+    if release(v) < (0, 16)
 ]
 
 
@@ -221,6 +225,35 @@ def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_py
     assert_saved_and_resumed(torch_python, "2.6.0", version, *ROW_ARGS[version], pkg_resources="importable")
 
 
+# --- torch 2.15: TensorProperties.strides ----------------------------------------------------------------
+
+STRIDES = "TypeError: empty() got an unexpected keyword argument 'strides'"
+STRIDES_ROWS = ["0.6.0", "0.8.0", "0.11.0", "0.12.1", "0.13.1", "0.14.0", "0.15.3", "0.16.1"]
+STRIDES_OFF = "describe and strict-load on torch 2.15 without tensor_properties_fields: the strides TypeError"
+
+
+@pytest.mark.parametrize(
+    "version,torch_release",
+    [pytest.param(v, "2.15.0-numpy2", marks=pytest.mark.compat(v, STRIDES_OFF), id=v) for v in STRIDES_ROWS],
+)
+def test_without_the_strides_row_reading_a_checkpoints_metadata_fails_on_torch_2_15(
+    torch_python, version, torch_release
+):
+    """The job's checkpoint (saved in this run by the cell above), resumed with the row skipped:
+    load_tensors_metadata and load_sharded_metadata raise, and so does a raise_all load."""
+    args = ROW_ARGS[version]
+    save = saved(torch_python, torch_release, version, *args)
+    assert save["ok"], job_failure(save)
+    env = {"MCORE_AUTOPATCH_SKIP": "tensor_properties_fields"}
+    off = run_training_job(
+        torch_python(torch_release), version, "resume", copy_of(save["root"]), *args, *resume_args(version), env=env
+    )
+    assert not off["ok"]
+    rank = off["ranks"][0]
+    reads = rank.get("metadata_reads") or {}
+    assert STRIDES in (rank.get("error") or "") or any(STRIDES in str(v) for v in reads.values()), rank
+
+
 # --- more of what a fresh image meets -------------------------------------------------------------------
 
 
@@ -287,8 +320,7 @@ def test_skipping_a_fix_leaves_it_out_and_check_says_so(torch_python):
 
 # --- the everyday tier: every row on numpy 2, on the CPU wheel -------------------------------------------
 
-ONE_RANK_ROWS = {v: args for v, args in ROW_ARGS.items() if v not in CPU_ONLY}  # 0.14/0.15: CELLS above
-ONE_RANK_ROWS["0.16.1"] = ["--iterations", "1", "--state", "model"]  # 0.16 saves no flattened tensors
+ONE_RANK_ROWS = dict(ROW_ARGS)
 NUMPY2_ROW = "save and resume on numpy 2, setuptools 82+ (one rank)"
 
 

@@ -290,16 +290,29 @@ def test_weights_only_fix_follows_what_torch_does_with_a_call_without_it(
     assert module.torch is torch
 
 
-def test_weights_only_fix_leaves_a_release_with_its_own_allowlist_alone(monkeypatch):
+@pytest.mark.parametrize("allowlist_imported", [False, True], ids=["allowlist-not-imported-yet", "allowlist-imported"])
+def test_weights_only_fix_decides_a_release_with_its_own_allowlist_the_same_in_any_import_order(
+    monkeypatch, tmp_path, allowlist_imported
+):
+    """megatron-core 0.14+ (FAKE package with a safe_globals.py beside its __init__): the hook runs
+    while ``import megatron.core`` has not reached its allowlist yet, ``status`` runs after; both
+    read the same files, so both say needed, and name the allowlist."""
     torch = FakeTorch("2.13.0", default_weights_only=True)
     monkeypatch.setitem(__import__("sys").modules, "torch", torch)
-    monkeypatch.setitem(
-        __import__("sys").modules, torch_load_weights_only.OWN_ALLOWLIST_MODULE, types.ModuleType("FAKE")
-    )
+    package = types.ModuleType("megatron.core")
+    package.__path__ = [str(tmp_path)]  # type: ignore[attr-defined]
+    (tmp_path / "safe_globals.py").write_text("# FAKE: megatron-core 0.14's allowlist module\n")
+    monkeypatch.setitem(__import__("sys").modules, "megatron.core", package)
+    if allowlist_imported:
+        fake = types.ModuleType("FAKE")
+        monkeypatch.setitem(__import__("sys").modules, torch_load_weights_only.OWN_ALLOWLIST_MODULE, fake)
+    else:
+        monkeypatch.delitem(__import__("sys").modules, torch_load_weights_only.OWN_ALLOWLIST_MODULE, raising=False)
     module = fake_module("megatron.core.dist_checkpointing.strategies.common", COMMON, torch=torch)
+    assert fixes.ruled_out(fixes.by_name("torch_load_weights_only"), module) is None
     decision, applied = torch_load_weights_only.apply(module, "auto")
-    assert (decision.needed, applied) == (False, False)
-    assert "registers its own allowlist with torch" in decision.reason
+    assert (decision.needed, applied) == (True, True)
+    assert "its own allowlist, megatron.core.safe_globals" in decision.reason
 
 
 # --- sharded_objects_planned_once ---------------------------------------------------------------------
@@ -396,9 +409,7 @@ def test_gates_know_what_the_implementations_know():
     """The table rules a fix out without importing it; what it checks must be what the fix reads."""
     assert set(fixes.REMOVED_BY_NUMPY_2) == set(numpy_removed_names.REPLACEMENTS)
     assert "_add_non_coordinator_iobytes_request" == sharded_objects_planned_once.METHOD
-    assert fixes.by_name("torch_load_weights_only").gate and torch_load_weights_only.OWN_ALLOWLIST_MODULE in (
-        fixes._megatron_may_load_without_weights_only.__code__.co_consts
-    )
+    assert fixes.by_name("torch_load_weights_only").gate
     assert [f.name for f in fixes.FIXES if f.acts_while_executing] == ["pkg_resources_packaging"]
 
 

@@ -203,6 +203,11 @@ def child_env(**extra: "str | None") -> "dict[str, str]":
     # machine's 2 cores the pool made each job ~40% slower. Tests that want the pool (the
     # seed stack, as a user's image runs it) pass TORCHINDUCTOR_COMPILE_THREADS=None.
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    # megatron-core 0.15's import builds a CUDA extension (inference/unified_memory.py); on a
+    # CUDA build of torch without a GPU, torch cannot guess the architectures to build for and
+    # raises IndexError, which that import does not catch. Named, the build fails the way
+    # megatron-core expects where it cannot build (a warning), and the import goes on.
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "8.0")
     for key, value in extra.items():
         if value is None:
             env.pop(key, None)

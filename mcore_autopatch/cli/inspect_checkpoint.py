@@ -4,7 +4,9 @@
 whether megatron-core's ``mcore_data`` is there, which tensors are N-D flattened (with their
 original shapes, and how each is known), whether every file ends where its last item ends
 (a checkpoint finalized with another save's write results does not: ``shared/storage_layout.py``),
-and whether it will load in this environment. It exits 1 for such a damaged checkpoint.
+and whether it will load in this environment. It exits 1 for such a damaged checkpoint, and for
+a folder with ``.distcp`` files and no ``.metadata`` (an unfinished save: it says which
+iteration beside it to resume from instead).
 
 ``repair`` writes the ``mcore_data`` a checkpoint lost back into its ``.metadata``, only when
 every N-D flattened tensor's original shape is proved (``checkpoint_metadata``); the file is
@@ -88,7 +90,52 @@ def load_verdict(report: Dict[str, Any], guard: Optional[Dict[str, Any]]) -> str
     return "yes: mcore-autopatch's load guard recovers the original shapes (each proved below)"
 
 
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's, beside the iter_* folders
+
+
+def unfinished_save(folder: str) -> Optional[Dict[str, Any]]:
+    """The report on a folder with ``.distcp`` files and no ``.metadata``: a save that failed or
+    was stopped before its finalize (only ``.metadata`` marks a finished one), or None."""
+    if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, cm.METADATA_FILE)):
+        return None
+    written = sorted(name for name in os.listdir(folder) if name.endswith(".distcp"))
+    if not written:
+        return None
+    resume_from = last_finished_save(os.path.dirname(os.path.abspath(folder)), exclude=os.path.abspath(folder))
+    way_out = "resume from %s" % resume_from if resume_from else "no finished save beside it to resume from"
+    return {
+        "checkpoint": os.path.abspath(folder),
+        "unfinished": True,
+        "distcp_files": len(written),
+        "resume_from": resume_from,
+        "loads_here": "no: an unfinished save (%d .distcp files, no .metadata): it failed or was stopped before "
+        "its finalize wrote .metadata, which alone marks a finished save; %s" % (len(written), way_out),
+    }
+
+
+def last_finished_save(root: str, exclude: str = "") -> Optional[str]:
+    """The iteration folder to resume from: the tracker's when it is finished, else the newest
+    ``iter_*`` folder beside it that has a ``.metadata``."""
+    finished = [
+        os.path.join(root, name)
+        for name in os.listdir(root)
+        if name.startswith("iter_") and os.path.isfile(os.path.join(root, name, cm.METADATA_FILE))
+    ]
+    finished = [f for f in finished if f != exclude]
+    try:
+        with open(os.path.join(root, TRACKER)) as f:
+            tracked = os.path.join(root, "iter_%07d" % int(f.read().strip()))
+        if tracked in finished:
+            return tracked
+    except (OSError, ValueError):
+        pass
+    return max(finished) if finished else None
+
+
 def inspect(folder: str, guard: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    unfinished = unfinished_save(folder)
+    if unfinished is not None:
+        return unfinished
     metadata = cm.read_metadata(folder)
     tensors = cm.classify(metadata)
     ends = storage_layout.ends_by_file((getattr(metadata, "storage_data", None) or {}).values())
@@ -121,6 +168,8 @@ def inspect(folder: str, guard: Optional[Dict[str, Any]] = None) -> Dict[str, An
 
 def format_report(report: Dict[str, Any]) -> str:
     lines = ["checkpoint %s" % report["checkpoint"]]
+    if report.get("unfinished"):
+        return "\n".join([*lines, "  %-16s %s" % ("loads here:", report["loads_here"])])
     rows = [
         ("written by", report["written_by"]),
         ("mcore_data", "present" if report["mcore_data"] else "MISSING"),
@@ -166,7 +215,7 @@ def _files_text(storage: Dict[str, Any]) -> str:
 
 def exit_code(report: Dict[str, Any]) -> int:
     """inspect's exit status: 1 for a checkpoint whose files do not match its .metadata."""
-    return DAMAGED if report["storage"]["mismatched"] else OK
+    return DAMAGED if report.get("unfinished") or report["storage"]["mismatched"] else OK
 
 
 def repair(folder: str, dry_run: bool = False) -> Tuple[int, List[str]]:

@@ -25,7 +25,7 @@ WRITE_ITEM_FIX = {f.watches[0]: f for f in fixes.FIXES if f.name == "write_item"
 STARTUP_FILES = ("mcore_autopatch.pth", "mcore_autopatch.start")
 # status imports the checkpointing modules the fixes watch (a save imports them too); the
 # model-code modules some fixes watch are judged from their code instead.
-CHECKPOINTING = "megatron.core.dist_checkpointing."
+CHECKPOINTING = ("megatron.core.dist_checkpointing.", "nvidia_resiliency_ext.checkpointing.")
 
 # check's exit codes
 ACTIVE_OR_NOT_NEEDED, NEEDED_NOT_ACTIVE, CANNOT_TELL = 0, 1, 2

@@ -134,9 +134,50 @@ def _async_results_fixes(writer: writers.KnownWriter) -> Tuple[Fix, ...]:
     )
 
 
+def _async_failure_fixes(writer: writers.KnownWriter) -> Tuple[Fix, ...]:
+    return (
+        Fix(
+            name="writer_processes_watched",
+            library=writer.name,
+            watches=(writer.module,),
+            reads="whether %s's FileSystemWriterAsync.write_preloaded_data_multiproc forks its writers from the "
+            "module's multiprocessing global and waits for them on a queue, and which parameter is the save's results "
+            "queue" % writer.name,
+            rebinds="%s's multiprocessing global (its contexts' queue waits end when a process that context started "
+            "died) and write_preloaded_data_multiproc (what stopped it goes on the save's results queue)"
+            % writer.module,
+            importers=writer.importers,
+        ),
+        Fix(
+            name="async_worker_watched",
+            library=writer.name,
+            watches=(writer.async_module,),
+            reads="which of %s's async callers run a spawned worker loop (async_loop) and make their queues from the "
+            "module's multiprocessing global" % writer.name,
+            rebinds="%s's multiprocessing global (waits on the worker end when it is dead), those callers' "
+            "schedule_async_call / is_current_async_call_done / close (which worker the waits watch), and the "
+            "worker loop (what it raised goes on comp_q)" % writer.async_module,
+            importers=writer.importers,
+        ),
+        Fix(
+            name="failed_saves_raise_everywhere",
+            library=writer.name,
+            watches=(writer.async_module,),
+            reads="%s's async callers and AsyncCallsQueue, and that their done check all-reduces through the "
+            "module's torch global" % writer.name,
+            rebinds="%s's torch global (the done check's all_reduce carries failures), the callers' "
+            "is_current_async_call_done / schedule_async_call and AsyncCallsQueue.maybe_finalize_async_calls: "
+            "every rank raises CheckpointException with every failed rank's reason, the save unfinalized"
+            % writer.async_module,
+            importers=writer.importers,
+        ),
+    )
+
+
 FIXES: Tuple[Fix, ...] = (
     _write_item_fix(writers.MEGATRON_CORE),
     *_async_results_fixes(writers.MEGATRON_CORE),
+    *_async_failure_fixes(writers.MEGATRON_CORE),
     Fix(
         name="keep_mcore_data",
         library="megatron-core",
@@ -154,6 +195,15 @@ FIXES: Tuple[Fix, ...] = (
         reads="whether megatron-core's get_reformulation_metadata reads Metadata.mcore_data",
         rebinds="%s.get_reformulation_metadata (module global) and TorchDistLoadShardedStrategy."
         "load_tensors_metadata: shapes recovered where provable, a clear error otherwise" % STRATEGIES_TORCH,
+    ),
+    Fix(
+        name="tensor_properties_fields",
+        library="megatron-core",
+        watches=(STRATEGIES_TORCH,),
+        reads="which fields of torch's TensorProperties torch.empty refuses (strides, torch 2.15+), and which "
+        "functions of megatron-core build meta tensors with torch.empty(..., **properties.__dict__)",
+        rebinds="%s's torch global: the real torch but for empty(), which leaves those fields out" % STRATEGIES_TORCH,
+        gate="_tensor_properties_may_have_a_field_empty_refuses",
     ),
     Fix(
         name="sharded_objects_planned_once",
@@ -193,8 +243,9 @@ FIXES: Tuple[Fix, ...] = (
         name="torch_load_weights_only",
         library="megatron-core",
         watches=(_DC + "strategies.common", _DC + "serialization"),
-        reads="which functions read checkpoint files with torch.load and no weights_only (0.6 - 0.10: common.pt, "
-        "sharded objects); whether megatron-core registers its own allowlist; torch's default for weights_only",
+        reads="which functions read checkpoint files with torch.load and no weights_only (0.6 - 0.10, 0.14+: "
+        "common.pt, sharded objects; never whether an allowlist's module is imported yet); torch's default for "
+        "weights_only",
         rebinds="that module's torch global: torch itself, but load() passes weights_only=False when a call "
         "passes none, as on the torch those releases were written for",
         gate="_megatron_may_load_without_weights_only",
@@ -219,6 +270,7 @@ FIXES: Tuple[Fix, ...] = (
     ),
     _write_item_fix(writers.NVIDIA_RESILIENCY_EXT),
     *_async_results_fixes(writers.NVIDIA_RESILIENCY_EXT),
+    *_async_failure_fixes(writers.NVIDIA_RESILIENCY_EXT),
 )
 
 
@@ -260,6 +312,20 @@ def _torch_finish_may_rebuild_the_metadata(module: ModuleType) -> Optional[str]:
     )
 
 
+# The keywords torch.empty takes that TensorProperties held through torch 2.14; a field beyond
+# them (strides, 2.15) is tried by the fix itself.
+EMPTY_TAKES = frozenset(("dtype", "layout", "requires_grad", "memory_format", "pin_memory"))
+
+
+def _tensor_properties_may_have_a_field_empty_refuses(module: ModuleType) -> Optional[str]:
+    properties = getattr(sys.modules.get("torch.distributed.checkpoint.metadata"), "TensorProperties", None)
+    fields = getattr(properties, "__dataclass_fields__", None)
+    if isinstance(fields, dict) and set(fields) <= EMPTY_TAKES:
+        torch = getattr(sys.modules.get("torch"), "__version__", "(unknown version)")
+        return "torch.empty takes every field of torch %s's TensorProperties" % torch
+    return None
+
+
 def _planner_adds_its_own_requests(module: ModuleType) -> Optional[str]:
     planner = vars(module).get("MCoreSavePlanner")
     if isinstance(planner, type) and "_add_non_coordinator_iobytes_request" in vars(planner):
@@ -275,8 +341,6 @@ def _planner_may_lack_a_shape_bypass(module: ModuleType) -> Optional[str]:
 
 
 def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]:
-    if "megatron.core.safe_globals" in sys.modules:
-        return "megatron-core registers its own allowlist with torch (megatron.core.safe_globals)"
     torch = sys.modules.get("torch")
     # The globals a torch.load can go through: torch itself, or a stand-in of it (ours, from
     # an earlier execution; told by its class name, so that standin is not imported here).
@@ -285,7 +349,7 @@ def _megatron_may_load_without_weights_only(module: ModuleType) -> Optional[str]
         return "megatron-core's code here does not hold torch"
     from mcore_autopatch.shared import code_reading
 
-    # 0.11+ name weights_only in every function that loads: no bytecode needs reading then.
+    # 0.11 - 0.13 name weights_only in every function that loads: no bytecode needs reading then.
     for _name, code in code_reading.defined_functions(module):
         names = code_reading.mentions(code)
         if "load" in names and "weights_only" not in names and not owners.isdisjoint(names):

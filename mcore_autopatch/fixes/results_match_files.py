@@ -10,12 +10,15 @@ the same files and keys; their sizes differ (``shared/storage_layout.py``).
 What is read: whether the writer class's ``retrieve_write_results`` takes its results from a
 queue (``results_queue``); 0.6 and 0.7 keep them in a dict of the writer's own.
 
-What is rebound: ``FileSystemWriterAsync.finish`` (torch's ``FileSystemWriter.finish``, which it
-inherits, or its own), on that class only. On the coordinator, before the real ``finish``
-writes ``.metadata``, every file the results name is ``stat``-ed; a file whose size is not
-where its last item ends stops the save with megatron-core's ``CheckpointingException`` saying
-so, and no ``.metadata`` is written. Files this rank cannot see (another node's local disk, an
-object store) are not checked, said at debug level. Nothing changes in what a checkpoint holds.
+What is rebound: ``FileSystemWriterAsync.retrieve_write_results``, on that class only. On every
+rank, once megatron-core has taken its results, each file they name is ``stat``-ed (the rank's
+own files: one ``stat`` each, whatever the size of the job); a file whose size is not where its
+last item ends makes the rank's results a failure (torch's wrapped ``CheckpointingException``),
+which travels to the coordinator in the gather the finalize already makes, as a write error
+does: the coordinator writes no ``.metadata`` and raises, naming the rank (megatron-core 0.14+
+then raise on every rank; ``failed_saves_raise_everywhere`` looks at the same files earlier,
+at the done check, so that every release does). Files this rank cannot see (an object store)
+are not checked, said at debug level. Nothing changes in what a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Iterator, List
 
-from mcore_autopatch.shared import methods, storage_layout
+from mcore_autopatch.shared import checkpoint_errors, methods, storage_layout
 from mcore_autopatch.shared.log import logger
 from mcore_autopatch.shared.values import Decision
 
@@ -49,28 +52,28 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
     if not isinstance(writer, type):
         return Evaluation(Decision(False, "%s has no %s: no async writer here" % (label, WRITER_CLASS)))
     retrieve = vars(writer).get("retrieve_write_results")
+    while getattr(retrieve, methods.MARK, False):  # ours already: read megatron-core's
+        retrieve = retrieve.__wrapped__
     code = getattr(retrieve, "__code__", None)
-    if code is None or not callable(getattr(writer, "finish", None)):
-        reason = "%s has no %s.retrieve_write_results and finish; not patching" % (label, WRITER_CLASS)
+    if code is None:
+        reason = "%s has no %s.retrieve_write_results; not patching" % (label, WRITER_CLASS)
         return Evaluation(Decision(None, reason))
     if "results_queue" not in code_reading.mentions(code):
         reason = "%s's writer keeps its write results itself (no results queue): they are its own" % label
         return Evaluation(Decision(False, reason), writer)
     reason = (
-        "%s's finalize writes .metadata from the write results on a queue, checking only their number: "
-        "each file's size is now checked against where its last item ends before .metadata is written" % label
+        "%s's finalize writes .metadata from the write results on a queue, checking only their number: each rank "
+        "now checks its own files' sizes against where their last items end, and a mismatch fails the save before "
+        ".metadata is written" % label
     )
     return Evaluation(Decision(True, reason), writer)
 
 
 def _storage_infos(results: Any) -> Iterator[Any]:
-    for rank_results in results or ():
-        if not isinstance(rank_results, (list, tuple)):
-            continue  # a rank's failure: megatron-core reports those itself before finish
-        for result in rank_results:
-            info = getattr(result, "storage_data", None)
-            if info is not None and hasattr(info, "relative_path"):
-                yield info
+    for result in results or ():
+        info = getattr(result, "storage_data", None)
+        if info is not None and hasattr(info, "relative_path"):
+            yield info
 
 
 def checkpoint_folder(writer: Any) -> "str | None":
@@ -87,26 +90,29 @@ def checkpoint_folder(writer: Any) -> "str | None":
     return None
 
 
-def mismatch(writer: Any, results: Any) -> "str | None":
-    """Why ``results`` cannot be this save's, or None."""
-    folder = checkpoint_folder(writer)
-    if folder is None:
-        logger.debug("the write results are not checked: the checkpoint is not a local folder")
-        return None
+def mismatch_in(folder: str, results: Any) -> "str | None":
+    """Why one rank's ``results`` (WriteResults) cannot be this save's files in ``folder``, or None."""
     mismatches, unseen = storage_layout.compare_with_files(folder, storage_layout.ends_by_file(_storage_infos(results)))
     if unseen:
-        logger.debug("%d of the checkpoint's files are not visible here; not checked: %s", len(unseen), unseen[:5])
+        logger.debug("%d of the save's files are not visible here; not checked: %s", len(unseen), unseen[:5])
     if not mismatches:
         return None
     shown: List[str] = [m.text for m in mismatches[:3]]
     more = " (and %d more files)" % (len(mismatches) - 3) if len(mismatches) > 3 else ""
     return (
-        "mcore-autopatch: not writing %s: the write results this save was given do not match its files: "
-        "%s%s. They are another save's: async saves of one process share one results queue in megatron-core, "
-        "and a save finalized while another was in flight, or after one was abandoned, takes the other's. "
-        "This checkpoint is incomplete (no .metadata); resume from another iteration"
-        % (os.path.join(folder, ".metadata"), "; ".join(shown), more)
+        "mcore-autopatch: the write results this save was given do not match its files in %s: %s%s. They are "
+        "another save's: async saves of one process share one results queue in megatron-core, and a save finalized "
+        "while another was in flight, or after one was abandoned, takes the other's. This checkpoint is incomplete "
+        "(no .metadata is written); resume from another iteration" % (folder, "; ".join(shown), more)
     )
+
+
+def mismatch(writer: Any, results: Any) -> "str | None":
+    folder = checkpoint_folder(writer)
+    if folder is None:
+        logger.debug("the write results are not checked: the checkpoint is not a local folder")
+        return None
+    return mismatch_in(folder, results)
 
 
 def exception_type(writer_module: str) -> type:
@@ -117,27 +123,32 @@ def exception_type(writer_module: str) -> type:
     return RuntimeError
 
 
-def finish_checking_files(original: Callable[..., Any], writer_module: str) -> Callable[..., Any]:
-    def finish(self: Any, metadata: Any, results: Any) -> Any:
+def retrieve_checking_files(original: Callable[..., Any], writer_module: str) -> Callable[..., Any]:
+    def retrieve_write_results(self: Any, *args: Any, **kwargs: Any) -> Any:
+        results = original(self, *args, **kwargs)
+        if not isinstance(results, list):
+            return results  # a failure megatron-core wrapped itself (0.14+): its own report
         try:
             problem = mismatch(self, results)
         except Exception:  # a check that cannot run never stops a save
             logger.warning("checking the write results against the files failed; not checked", exc_info=True)
             problem = None
-        if problem is not None:
-            raise exception_type(writer_module)(problem)
-        return original(self, metadata, results)
+        if problem is None:
+            return results
+        logger.warning("%s", problem)
+        return checkpoint_errors.wrapped(exception_type(writer_module)(problem))
 
-    return methods.marked(finish, original, "%s.finish" % WRITER_CLASS)
+    return methods.marked(retrieve_write_results, original, "%s.retrieve_write_results" % WRITER_CLASS)
 
 
 def is_applied(module: ModuleType) -> bool:
-    return methods.is_rebound(module, WRITER_CLASS, "finish")
+    return methods.is_rebound(module, WRITER_CLASS, "retrieve_write_results")
 
 
 def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.writer is None:
         return ev.decision, is_applied(module)
-    methods.rebind(ev.writer, "finish", lambda original: finish_checking_files(original, module.__name__))
+    make = lambda original: retrieve_checking_files(original, module.__name__)  # noqa: E731
+    methods.rebind(ev.writer, "retrieve_write_results", make)
     return ev.decision, True

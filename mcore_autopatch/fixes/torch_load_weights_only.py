@@ -4,9 +4,14 @@ torch 2.6 made ``weights_only=True`` the default of ``torch.load``. megatron-cor
 read the checkpoint's ``common.pt`` (and the files of sharded objects) with a bare
 ``torch.load`` (serialization.py in 0.6/0.7, strategies/common.py in 0.8 - 0.10); Megatron-LM
 keeps ``args``, an ``argparse.Namespace``, in ``common.pt``, so every resume fails with
-``UnpicklingError: Weights only load failed ... argparse.Namespace``. 0.11 - 0.13 pass
-``weights_only=False`` themselves; 0.14 and later register their own allowlist with torch
-(``megatron.core.safe_globals``) and are left to it.
+``UnpicklingError: Weights only load failed ... argparse.Namespace``. 0.11 - 0.13 and 0.17.0
+pass ``weights_only=False`` themselves. 0.14 - 0.16, 0.17.1 and later pass nothing again and
+register an allowlist with torch at ``import megatron.core`` (``megatron.core.safe_globals``):
+it admits what Megatron-LM itself keeps in ``args``, and refuses the types of checkpoints
+saved by earlier releases (Megatron-LM #1884) and what frameworks add to ``args`` (slime
+#686). They are treated like 0.6 - 0.10, deliberately: the decision is read from the code
+that loads, never from whether the allowlist's module happens to be imported yet, so
+``status`` and the hook say the same thing in any import order.
 
 What the call loads is what those releases loaded on the torch they were written for, where
 ``weights_only`` defaulted to False: the whole pickle. That adds no trust a torch_dist
@@ -97,9 +102,11 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
         return Evaluation(Decision(False, reason, where=where))
     where = "%s: %s" % (where, ", ".join(callers))
     reads = "%s reads checkpoint files with torch.load and no weights_only" % megatron
-    if OWN_ALLOWLIST_MODULE in sys.modules:
-        reason = "%s, and registers its own allowlist with torch (%s): left to it" % (reads, OWN_ALLOWLIST_MODULE)
-        return Evaluation(Decision(False, reason, where=where))
+    if has_own_allowlist():
+        reads += (
+            " (its own allowlist, %s, admits Megatron-LM's args but not the types of earlier releases' checkpoints "
+            "or of frameworks' args)" % OWN_ALLOWLIST_MODULE
+        )
     default, why = torch_default(torch)
     if default is None:
         return Evaluation(Decision(None, "%s; %s; not patching" % (reads, why), where=where))
@@ -114,6 +121,16 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
         "written for" % (reads, why)
     )
     return Evaluation(Decision(True, reason, where=where), torch, tuple(sorted(owners)), callers)
+
+
+def has_own_allowlist() -> bool:
+    """Whether the megatron-core imported here ships an allowlist it registers at import (0.14+),
+    read from its package's files: the same answer before and after that module is imported."""
+    if OWN_ALLOWLIST_MODULE in sys.modules:
+        return True
+    package = sys.modules.get("megatron.core")
+    folders = getattr(package, "__path__", None) or ()
+    return any(os.path.isfile(os.path.join(folder, "safe_globals.py")) for folder in folders)
 
 
 def loading_whole_pickle_by_default(real_load: Callable[..., Any]) -> Callable[..., Any]:

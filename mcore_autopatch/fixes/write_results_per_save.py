@@ -28,6 +28,7 @@ time. Nothing changes in what a checkpoint holds.
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Tuple
 
@@ -109,6 +110,27 @@ def evaluate(module: ModuleType, mode: str) -> Evaluation:
     return Evaluation(Decision(True, reason), shared)
 
 
+# The queues handed out here, each one save's own: what a save puts there is its own results,
+# which failed_saves_raise_everywhere may look at before the finalize does.
+_own_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def is_own_queue(value: Any) -> bool:
+    """Whether ``value`` is a results queue this fix made for one save."""
+    try:
+        return value in _own_queues
+    except TypeError:  # unhashable, or not weakly referenceable: not ours
+        return False
+
+
+def _own(queue: Any) -> Any:
+    try:
+        _own_queues.add(queue)
+    except TypeError:
+        pass
+    return queue
+
+
 def queue_per_save(module: ModuleType, shared: SharedQueue) -> Callable[..., Any]:
     """``shared.getter``'s stand-in: a new queue on the manager megatron-core's own function made."""
     original = shared.getter
@@ -120,13 +142,13 @@ def queue_per_save(module: ModuleType, shared: SharedQueue) -> Callable[..., Any
         if manager is None:
             return queue  # not a manager's queue: nothing to make another one from
         try:
-            return manager.Queue()
+            return _own(manager.Queue())
         except Exception as exc:  # the manager is gone (an abort shut it down): a new one
             logger.info("the results queue's manager is gone (%s: %s); making a new one", type(exc).__name__, exc)
             if namespace.get(shared.cache) is queue:
                 namespace[shared.cache] = None
             queue = original(*args, **kwargs)
-            return queue._manager.Queue() if getattr(queue, "_manager", None) is not None else queue
+            return _own(queue._manager.Queue()) if getattr(queue, "_manager", None) is not None else queue
 
     results_queue_of_this_save.__wrapped__ = original  # type: ignore[attr-defined]
     results_queue_of_this_save.__name__ = original.__name__

@@ -14,7 +14,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 from mcore_autopatch.shared.values import Record
-from mcore_autopatch.shared.writers import MEGATRON_CORE, KnownWriter, for_module
+from mcore_autopatch.shared.writers import KNOWN_WRITERS, MEGATRON_CORE, KnownWriter, for_module
 
 # A version in its canonical PEP 440 form ("0.12.1", "0.13.0rc0", "0.12.1.dev0+mindspeed"):
 # its release numbers are read without importing packaging (a millisecond at the watched
@@ -81,8 +81,9 @@ def writer_label(writer: KnownWriter) -> str:
 
 
 def module_label(module_name: str) -> str:
-    """The release of the known writer ``module_name`` belongs to, or the module's name."""
-    known = for_module(module_name)
+    """The release of the library ``module_name`` (its writer or async module) belongs to, or
+    the module's name."""
+    known = for_module(module_name) or next((w for w in KNOWN_WRITERS if w.async_module == module_name), None)
     return module_name if known is None else writer_label(known)
 
 

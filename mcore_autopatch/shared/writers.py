@@ -20,11 +20,21 @@ class KnownWriter(Record):
     ``module`` the module whose ``_write_item`` global is rebound; ``distributions`` the
     metadata names its version is read from; ``package_info`` a module with ``__version__``,
     for source trees without metadata; from ``fixed_in`` it passes serialization_format
-    itself, from ``passes_transforms_from`` the writer's transforms. ``importers`` are the
+    itself, from ``passes_transforms_from`` the writer's transforms; ``async_module`` holds its
+    async callers and their queue (``AsyncCallsQueue``). ``importers`` are the
     modules that import ``module`` at their top in every release: when one has executed, the
     writer is looked at again, in case a finder ahead of ours loaded it without us."""
 
-    __slots__ = ("distributions", "fixed_in", "importers", "module", "name", "package_info", "passes_transforms_from")
+    __slots__ = (
+        "async_module",
+        "distributions",
+        "fixed_in",
+        "importers",
+        "module",
+        "name",
+        "package_info",
+        "passes_transforms_from",
+    )
 
     def __init__(
         self,
@@ -35,6 +45,7 @@ class KnownWriter(Record):
         fixed_in: Tuple[int, ...],
         passes_transforms_from: Tuple[int, ...],
         importers: Tuple[str, ...] = (),
+        async_module: str = "",
     ) -> None:
         self.name = name
         self.module = module
@@ -43,6 +54,7 @@ class KnownWriter(Record):
         self.fixed_in = fixed_in
         self.passes_transforms_from = passes_transforms_from
         self.importers = importers
+        self.async_module = async_module
 
 
 MEGATRON_CORE = KnownWriter(
@@ -53,6 +65,7 @@ MEGATRON_CORE = KnownWriter(
     fixed_in=(0, 13),
     passes_transforms_from=(0, 12),
     importers=("megatron.core.dist_checkpointing.strategies.torch",),
+    async_module="megatron.core.dist_checkpointing.strategies.async_utils",
 )
 
 # 0.3.0 carries megatron-core 0.12's call; 0.4.0 reads torch's signature. 0.1.x and 0.2.x
@@ -64,6 +77,7 @@ NVIDIA_RESILIENCY_EXT = KnownWriter(
     package_info=None,
     fixed_in=(0, 4),
     passes_transforms_from=(0, 3),
+    async_module="nvidia_resiliency_ext.checkpointing.async_ckpt.core",
 )
 
 KNOWN_WRITERS: Tuple[KnownWriter, ...] = (MEGATRON_CORE, NVIDIA_RESILIENCY_EXT)

@@ -14,7 +14,9 @@ Where megatron-core 0.8-0.15 call CUDA on this path (0.12.1's line numbers):
   ``torch.empty_like(..., device='cuda')``, ``torch.empty(..., device='cuda')``, ``.cuda()``
   in the load-time exchange of replicated tensors -> the CPU;
 * ``strategies/state_dict_saver.py:204``: ``torch.tensor(..., device='cuda')`` when a resumed
-  job checks that it may reuse the loaded metadata -> the CPU.
+  job checks that it may reuse the loaded metadata -> the CPU;
+* ``strategies/async_utils.py:488`` (0.16): the persistent worker's
+  ``torch.cuda.set_device(rank % torch.cuda.device_count())`` -> one device, and nothing to set.
 
 Every redirect records the megatron-core file and line that asked for it (``SITES``); the
 job reports them and the tests check that they are only these kinds of sites.
@@ -74,8 +76,17 @@ def install() -> bool:
         SITES["Tensor.cuda() at %s" % _caller()] += 1
         return self
 
+    def device_count() -> int:
+        SITES["torch.cuda.device_count() at %s" % _caller()] += 1
+        return 1
+
+    def set_device(device: Any) -> None:
+        SITES["torch.cuda.set_device() at %s" % _caller()] += 1
+
     torch.cuda.current_device = current_device
     torch.cuda.synchronize = synchronize
+    torch.cuda.device_count = device_count
+    torch.cuda.set_device = set_device
     torch.Tensor.cuda = tensor_cuda  # type: ignore[method-assign]
     for name in ("empty", "empty_like", "tensor", "zeros"):
         setattr(torch, name, _redirect_device(getattr(torch, name), "torch." + name))

@@ -69,6 +69,12 @@ if os.environ.get("JOB_SLOW_WRITES"):
     import slow_file_system
 
     slow_file_system.install(os.environ["JOB_SLOW_WRITES"])
+# A failing write (``--fault``), likewise in the faulty rank's spawned worker.
+if os.environ.get("JOB_FAULTY_WRITES"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import faulty_writes
+
+    faulty_writes.install(os.environ["JOB_FAULTY_WRITES"])
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HIDDEN, VOCAB, LAYERS = 6, 8, 2
@@ -125,12 +131,55 @@ def parse_args(argv=None):
     )
     p.add_argument("--then-save", action="store_true", help="resume: save once more, reusing the loaded metadata")
     p.add_argument(
+        "--strict",
+        default="assume_ok_unexpected",
+        help="resume: the load's StrictHandling (Megatron-LM's --dist-ckpt-strictness; raise_all, log_all, ... "
+        "compare the checkpoint's keys with the request's, reading its tensors' metadata)",
+    )
+    p.add_argument(
+        "--read-metadata",
+        action="store_true",
+        help="resume: also describe the checkpoint without loading it, as tools and strict loads do "
+        "(dist_checkpointing.load_tensors_metadata and load_sharded_metadata)",
+    )
+    p.add_argument(
         "--scenario",
-        choices=["sequential", "async-results"],
+        choices=["sequential", "async-results", "faults"],
         default="sequential",
         help="save: one save after the other (each finalized before the next), or async-results: "
         "saves that overlap, a synchronous save while an async one is in flight, an abandoned save "
-        "(tests/test_e2e_async_results.py)",
+        "(tests/test_e2e_async_results.py); faults: save 1, save 2 failing on one rank (--fault), training "
+        "steps until every rank raises, then save 3 and a load of it (tests/test_e2e_async_faults.py)",
+    )
+    p.add_argument(
+        "--fault",
+        choices=[
+            "writer-sigkill",
+            "writer-segfault",
+            "enospc",
+            "async-process-kill",
+            "worker-kill",
+            "preload-raises",
+        ],
+        help="faults: what goes wrong on --fault-rank during save 2 (a writer process killed or segfaulting, a full "
+        "disk, the temporal/distributed async process or the persistent worker killed, preload_fn raising)",
+    )
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument(
+        "--nvrx",
+        action="store_true",
+        help="faults: nvidia-resiliency-ext's AsyncCallsQueue (and callers) instead of megatron-core's",
+    )
+    p.add_argument(
+        "--fault-bound",
+        type=float,
+        default=60.0,
+        help="faults: seconds of training steps after the fault before the job calls it a stall and stops",
+    )
+    p.add_argument(
+        "--uncaught",
+        action="store_true",
+        help="faults: the job does not catch the failed save's exception (it ends the job, which must exit)",
     )
     p.add_argument(
         "--abandon",
@@ -524,12 +573,28 @@ def make_save_strategy(context, release):
     return strategy, True
 
 
-def async_queue(persistent):
+NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+
+
+def async_queue(persistent, nvrx=False):
+    """megatron-core's AsyncCallsQueue, or with ``nvrx`` nvidia-resiliency-ext's (which Megatron-LM
+    0.17+ uses by default, and 0.12 - 0.16 for local checkpoints)."""
+    if nvrx:
+        AsyncCallsQueue = __import__(NVRX_ASYNC, fromlist=["AsyncCallsQueue"]).AsyncCallsQueue
+        return AsyncCallsQueue(persistent=persistent)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     if persistent:
         return AsyncCallsQueue(persistent=True)
     return AsyncCallsQueue()
+
+
+def schedule(queue, request):
+    """``queue.schedule_async_request(request)``; nvidia-resiliency-ext's queue gets the request as
+    its own AsyncRequest (megatron-core's lacks methods it calls)."""
+    if type(queue).__module__ == NVRX_ASYNC:
+        request = sys.modules[NVRX_ASYNC].AsyncRequest(**request._asdict())
+    return queue.schedule_async_request(request)
 
 
 def finalize(queue, blocking):
@@ -564,7 +629,7 @@ def save_one(state, iteration, root, context, queue, rank, release, synchronous=
         return folder
     request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
     request.add_finalize_fn(iter_finalize_fn)
-    queue.schedule_async_request(request)
+    schedule(queue, request)
     return folder
 
 
@@ -746,6 +811,111 @@ def async_results_job(args, result):
     queue.close()
 
 
+# Megatron-LM keeps its AsyncCallsQueue in a module global (megatron/training/async_utils.py):
+# whatever it holds is still referenced when the interpreter exits.
+_async_calls_queue = None
+
+
+def raise_in_preload(*_args, **_kwargs):
+    """The fault scenario's preload_fn on the faulty rank (importable: the persistent worker is spawned)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import faulty_writes
+
+    faulty_writes.record_fault_time(os.environ["JOB_FAULT_ROOT"])
+    raise RuntimeError("preload_fn failed (injected by the test)")
+
+
+def fault_time(root):
+    try:
+        with open(os.path.join(root, ".fault-time")) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def schedule_faulty_save(state, iteration, args, context, queue, rank, release, faulty):
+    """Save ``iteration`` as save_checkpoint does (scheduled, then Megatron-LM's barrier), with
+    ``args.fault`` on this rank when ``faulty``."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    folder = iteration_dir(args.root, iteration)
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    strategy, first = make_save_strategy(context, release)
+
+    def iter_finalize_fn():
+        if rank == 0:
+            with open(os.path.join(args.root, TRACKER), "w") as f:
+                f.write(str(iteration))
+
+    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
+    request.add_finalize_fn(iter_finalize_fn)
+    if faulty and args.fault == "preload-raises":
+        if getattr(request, "preload_fn", None) is None:
+            raise SystemExit("--fault preload-raises: this release's async requests have no preload_fn")
+        request = request._replace(preload_fn=raise_in_preload)
+    schedule(queue, request)
+    if faulty and args.fault in ("async-process-kill", "worker-kill"):
+        process = queue.async_calls[-1].async_caller.process
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import faulty_writes
+
+        faulty_writes.record_fault_time(args.root)
+        os.kill(process.pid, 9)
+    dist.barrier()  # checkpointing.py's, right after scheduling
+
+
+def faults_job(args, result):
+    """Save 1; save 2 with ``--fault`` on ``--fault-rank``; training steps (a non-blocking finalize
+    each) until the failed save raises on this rank, or ``--fault-bound`` seconds pass (a stall);
+    then, unless ``--uncaught``, the job goes on as one that catches the exception: save 3,
+    finalized, loaded back and compared."""
+    global _async_calls_queue
+    rank, world = init(args)
+    result["rank"] = rank
+    release = Release()
+    result["release"] = release.as_dict()
+    context = {}
+    queue = _async_calls_queue = async_queue(args.persistent, args.nvrx)
+    faulty = rank == args.fault_rank
+    os.environ["JOB_FAULT_ROOT"] = args.root
+    save_and_finalize(full_state(args, 1, rank, world), 1, args.root, context, queue, rank, release)
+    result["saved"] = [1]
+    started = time.time()
+    schedule_faulty_save(full_state(args, 2, rank, world), 2, args, context, queue, rank, release, faulty)
+    raised = None
+    try:
+        while time.time() - started < args.fault_bound:
+            finalize(queue, blocking=False)
+            if queue.get_num_unfinalized_calls() == 0:
+                break
+            time.sleep(0.05)
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        raised = exc
+    now = time.time()
+    when = fault_time(args.root)
+    result["fault_to_raise_s"] = None if raised is None or when is None else round(now - when, 3)
+    result["raised"] = None if raised is None else {"type": type(raised).__name__, "message": str(raised)[-3000:]}
+    result["unfinalized"] = queue.get_num_unfinalized_calls()
+    if raised is None:
+        result["stalled"] = queue.get_num_unfinalized_calls() > 0
+        result["error"] = "no rank raised %.0f s after the fault" % args.fault_bound
+        result["loaded_equal"] = False
+        return
+    if args.uncaught:
+        raise raised
+    save_and_finalize(full_state(args, 3, rank, world), 3, args.root, context, queue, rank, release)
+    result["saved"].append(3)
+    mismatched, _strategy = load_iteration(args, 3, rank, world, release)
+    result["loaded_equal"] = not mismatched
+    # The end of training: maybe_finalize_async_save(blocking=True, terminate=True).
+    finalize(queue, blocking=True)
+    if hasattr(queue, "close"):
+        queue.close()
+
+
 def load_iteration(args, iteration, rank, world, release):
     """Load one iteration into a zeroed template as Megatron-LM's resume does; (what differs
     from what that iteration saved, the load strategy)."""
@@ -764,7 +934,9 @@ def load_iteration(args, iteration, rank, world, release):
     if release.strict:
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        kwargs["strict"] = StrictHandling.ASSUME_OK_UNEXPECTED
+        kwargs["strict"] = StrictHandling(args.strict)
+    elif args.strict != "assume_ok_unexpected":
+        raise SystemExit("--strict %s: this megatron-core has no StrictHandling" % args.strict)
     loaded = dist_checkpointing.load(template, folder, strategy, **kwargs)
     return compare(expected_values(args, iteration, rank, world), loaded), strategy
 
@@ -794,6 +966,47 @@ def resume_every_iteration(args, result):
     result["loaded_equal"] = all(e.get("loaded_equal", not e["metadata"]) for e in iterations.values())
 
 
+def read_metadata(folder):
+    """What megatron-core says a checkpoint holds without loading it: {reader: {key: global shape}}
+    for load_tensors_metadata and (0.8+) load_sharded_metadata, or the error each raised."""
+    from megatron.core.dist_checkpointing import serialization
+
+    out = {}
+    for name in ("load_tensors_metadata", "load_sharded_metadata"):
+        reader = getattr(serialization, name, None)
+        if reader is None:
+            continue
+        try:
+            described = reader(folder)
+            out[name] = {
+                key: list(getattr(value, "global_shape", ()) or ())
+                for key, value in sorted(described.items())
+                if hasattr(value, "flattened_range")  # the ShardedTensors (not the ShardedObjects)
+            }
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            out[name] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[-700:])}
+    return out
+
+
+def expected_shapes(args, rank, world):
+    """{key: global shape} of every ShardedTensor the job saves (N-D, as saved before flattening)."""
+    state = full_state(argparse.Namespace(**dict(vars(args), device="cpu")), 1, rank, world)
+    shapes = {}
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "global_shape") and hasattr(x, "flattened_range"):
+            shapes[x.key] = list(x.global_shape)
+
+    walk(state)
+    return shapes
+
+
 def resume_job(args, result):
     from megatron.core import dist_checkpointing
 
@@ -810,6 +1023,16 @@ def resume_job(args, result):
     mismatched, strategy = load_iteration(args, iteration, rank, world, release)
     result["mismatched"] = mismatched
     result["loaded_equal"] = not mismatched and result["common_args"]
+    if args.read_metadata:
+        described = read_metadata(folder)
+        expected = expected_shapes(args, rank, world)
+        # Each rank's request holds its own keys (a sharded weight's optimizer bucket is one rank's):
+        # each must be described with the global shape it was saved with.
+        result["metadata_reads"] = {
+            name: shapes.get("error") or [k for k in sorted(expected) if shapes.get(k) != expected[k]] or True
+            for name, shapes in described.items()
+        }
+        result["loaded_equal"] = result["loaded_equal"] and all(v is True for v in result["metadata_reads"].values())
     if args.then_save:
         context = {"load_strategy": strategy}
         queue = async_queue(False) if release.async_save else None
@@ -867,8 +1090,17 @@ def job(args):
             import slow_file_system
 
             slow_file_system.install(args.slow_write)
+        if args.fault in ("writer-sigkill", "writer-segfault", "enospc") and os.environ.get("RANK") == str(
+            args.fault_rank
+        ):
+            os.environ["JOB_FAULTY_WRITES"] = "2:%s" % args.fault
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import faulty_writes
+
+            faulty_writes.install(os.environ["JOB_FAULTY_WRITES"])
         if args.phase == "save":
-            (async_results_job if args.scenario == "async-results" else save_job)(args, result)
+            scenarios = {"async-results": async_results_job, "faults": faults_job}
+            scenarios.get(args.scenario, save_job)(args, result)
         elif args.iteration == "all":
             resume_every_iteration(args, result)
         else:
@@ -911,6 +1143,9 @@ def main(argv=None):
         print(json.dumps(result, sort_keys=True, default=str))
     else:
         print("ok" if result["ok"] else "FAILED: %s" % result["error"])
+    if result.get("stalled"):  # a stalled save's processes would keep this one from exiting
+        sys.stdout.flush()
+        os._exit(3)
     return 0 if result["ok"] else 1
 
 
