@@ -128,7 +128,9 @@ def assert_stalled(result: Dict[str, Any]) -> None:
 
 def cells(version: str, callers: List[str]) -> List[Any]:
     return [
-        pytest.param(version, caller, fault, marks=pytest.mark.compat(version, RAISES), id="%s-%s-%s" % (version, caller, fault))
+        pytest.param(
+            version, caller, fault, marks=pytest.mark.compat(version, RAISES), id="%s-%s-%s" % (version, caller, fault)
+        )
         for caller in callers
         for fault in FAULTS[caller]
     ]
@@ -212,7 +214,9 @@ def test_a_fault_fails_the_save_on_every_rank_through_nvidia_resiliency_ext(torc
     "version,caller,nvrx",
     [
         pytest.param("0.8.0", "distributed", None, marks=pytest.mark.compat("0.8.0", STALLS), id="0.8.0-distributed"),
-        pytest.param("0.11.0", "distributed", None, marks=pytest.mark.compat("0.11.0", STALLS), id="0.11.0-distributed"),
+        pytest.param(
+            "0.11.0", "distributed", None, marks=pytest.mark.compat("0.11.0", STALLS), id="0.11.0-distributed"
+        ),
         pytest.param("0.14.0", "temporal", None, marks=pytest.mark.compat("0.14.0", STALLS), id="0.14.0-temporal"),
         pytest.param("0.14.0", "persistent", None, marks=pytest.mark.compat("0.14.0", STALLS), id="0.14.0-persistent"),
         pytest.param("0.16.1", "persistent", None, marks=pytest.mark.compat("0.16.1", STALLS), id="0.16.1-persistent"),

@@ -92,7 +92,7 @@ def test_on_a_torch_that_added_strides_the_meta_tensors_are_built_without_it(sta
     assert standin.overrides(module.torch) == ("empty",)
     assert module.torch.zeros is sys.modules["torch"].zeros  # everything else is torch itself
     assert tensor_properties_fields.is_applied(module)
-    again, applied = tensor_properties_fields.apply(module, "auto")  # a second look stacks nothing
+    _again, applied = tensor_properties_fields.apply(module, "auto")  # a second look stacks nothing
     assert applied and module.torch.empty.__wrapped__ is sys.modules["torch"].empty
 
 
