@@ -254,6 +254,25 @@ def test_without_the_strides_row_reading_a_checkpoints_metadata_fails_on_torch_2
     assert STRIDES in (rank.get("error") or "") or any(STRIDES in str(v) for v in reads.values()), rank
 
 
+@pytest.mark.matrix
+def test_a_checkpoint_saved_on_torch_2_15_cannot_be_read_by_torch_2_14_or_earlier(torch_python):
+    """torch 2.15 pickles six TensorProperties fields; torch <= 2.14 unpickles exactly five. Nothing
+    of ours is in the file (the same holds without the package); inspect says what to do."""
+    args = ROW_ARGS["0.12.1"]
+    save = saved(torch_python, "2.15.0-numpy2", "0.12.1", *args)
+    assert save["ok"], job_failure(save)
+    older = torch_python("2.13.0-numpy2")
+    resume = run_training_job(older, "0.12.1", "resume", copy_of(save["root"]), *args)
+    assert not resume["ok"]
+    assert "too many values to unpack (expected 5)" in resume["ranks"][0]["error"], resume["ranks"][0]["error"]
+    folder = os.path.join(save["root"], "iter_0000002")
+    inspect = run_python(
+        older, ["-m", "mcore_autopatch", "inspect", folder], clean_env(PYTHONPATH=mcore_folder("0.12.1"))
+    )
+    assert inspect.returncode == 2
+    assert "written by torch 2.15 or later" in inspect.stderr and "with torch 2.15 or later" in inspect.stderr
+
+
 # --- more of what a fresh image meets -------------------------------------------------------------------
 
 

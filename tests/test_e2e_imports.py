@@ -410,3 +410,34 @@ MATRIX_CELLS = {
     "test_startup_flag_still_processes_site_packages_pth_and_saves[-s]",
     *("test_import_situation_fails_with_mcore_autopatch_off[%s]" % case for case in OFF_CASES if case != "threads"),
 }
+
+
+# --- a decision that does not depend on the order of imports -----------------------------------------
+
+STATUS_AFTER = """
+import importlib, json, sys
+if sys.argv[1] == "reimported-after-its-allowlist":
+    import megatron.core  # its __init__ imports strategies.common before megatron.core.safe_globals
+    assert "megatron.core.safe_globals" in sys.modules
+    name = "megatron.core.dist_checkpointing.strategies.common"
+    del sys.modules[name]
+    importlib.import_module(name)  # the hook decides again, the allowlist's module imported now
+else:
+    import megatron.core.dist_checkpointing.strategies.common
+import mcore_autopatch
+row = next(f for f in mcore_autopatch.status()["fixes"] if f["fix"] == "torch_load_weights_only")
+print(json.dumps({"needed": row["needed"], "applied": row["applied"], "hook": row["hook_decision"]}))
+"""
+
+
+@pytest.mark.parametrize("order", ["imported-as-a-job-does", "reimported-after-its-allowlist"])
+def test_status_and_the_log_say_the_same_of_megatron_core_0_14_in_any_import_order(e2e_python, order):
+    """megatron-core 0.14's allowlist module is imported after its checkpointing code: the hook and
+    status read the same code, whichever was imported first, and say needed and applied."""
+    env = clean_env(PYTHONPATH=mcore_folder("0.14.0"), MCORE_AUTOPATCH_LOG="info")
+    proc = run_python(e2e_python, ["-c", STATUS_AFTER, order], env, timeout=300)
+    result = last_json(proc)
+    assert (result["needed"], result["applied"]) == (True, True), result
+    assert (result["hook"]["needed"], result["hook"]["applied"]) == (True, True), result
+    logged = [ln for ln in proc.stderr.splitlines() if "INFO: megatron-core torch_load_weights_only: applied" in ln]
+    assert logged and "its own allowlist, megatron.core.safe_globals" in logged[-1], proc.stderr[-3000:]

@@ -150,5 +150,16 @@ def read_metadata(folder: str) -> Any:
         raise CheckpointProblem(
             "cannot read %s: it needs the module %s, not importable here" % (path, exc.name)
         ) from exc
+    except ValueError as exc:
+        if "too many values to unpack (expected 5)" not in str(exc):
+            raise CheckpointProblem("cannot read %s: %s: %s" % (path, type(exc).__name__, exc)) from exc
+        import sys
+
+        torch = getattr(sys.modules.get("torch"), "__version__", "here")
+        raise CheckpointProblem(
+            "cannot read %s with torch %s: it was written by torch 2.15 or later, whose TensorProperties carry a "
+            "sixth field (strides) that torch 2.14 and earlier cannot unpickle; read or resume it with torch 2.15 "
+            "or later (docs/troubleshooting.md)" % (path, torch)
+        ) from exc
     except Exception as exc:
         raise CheckpointProblem("cannot read %s: %s: %s" % (path, type(exc).__name__, exc)) from exc
