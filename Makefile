@@ -7,7 +7,7 @@ MAKEFLAGS += --no-print-directory
 PYTHON ?= python3
 TOOLS := .cache/tools/bin/python
 
-.PHONY: demo test test-matrix test-env test-matrix-env gpu-check gpu-check-prepare wheel lint bench compat-table clean
+.PHONY: demo test test-matrix test-env test-matrix-env peer-tests gpu-check gpu-check-prepare wheel lint bench compat-table clean
 
 demo:
 	@$(PYTHON) tools/demo.py
@@ -28,6 +28,12 @@ test-matrix-env:
 
 test-matrix: test-matrix-env
 	@MCORE_AUTOPATCH_TEST_TIER=matrix $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider -m matrix
+
+# Megatron-LM's own dist_checkpointing tests (a checkout of core_v0.12.1 you give it:
+# MEGATRON_LM=/path/to/Megatron-LM) on 8 CPU ranks, torch 2.15.0, numpy 2, with the wheel;
+# the table of what fails and why on stdout (docs/testing.md). Not in CI: it has no checkout.
+peer-tests: test-env
+	@$(PYTHON) tools/peer_tests.py
 
 # The GPU variants of the end-to-end tests, for a machine with a GPU and no registry:
 # prepare .gpu-check/ here, carry it, run `make gpu-check` there (tools/gpu_check.sh).

@@ -148,6 +148,45 @@ def test_the_getter_with_parameters_of_0_17_is_served_and_passes_them_on():
         module._results_queue._manager.shutdown()
 
 
+FAKE_DECORATED_GETTER = """
+import contextlib
+import gc
+import multiprocessing as mp
+_results_queue = None
+
+@contextlib.contextmanager
+def _disable_gc():
+    yield
+
+@_disable_gc()
+def get_write_results_queue(mp_mode='spawn'):
+    global _results_queue
+    if _results_queue is None:
+        _results_queue = mp.get_context("fork").Manager().Queue()
+    return _results_queue
+
+class FileSystemWriterAsync:
+    def prepare_write_data(self, plan=None, planner=None):
+        self.results_queue = get_write_results_queue()
+
+    def retrieve_write_results(self):
+        return self.results_queue.get_nowait()
+"""
+
+
+def test_a_getter_wrapped_in_a_decorator_is_read_through_it():
+    """megatron-core 0.17+ and nvidia-resiliency-ext 0.6+ wrap the getter in ``@_disable_gc()``
+    (a contextmanager used as a decorator): its wrapper's code stores no global; the getter's does."""
+    module = fake_writer_module(FAKE_DECORATED_GETTER)
+    try:
+        decision, applied = write_results_per_save.apply(module, "auto")
+        assert (decision.needed, applied) == (True, True), decision.reason
+        first, second = module.get_write_results_queue(), module.get_write_results_queue()
+        assert first is not second and write_results_per_save.is_own_queue(first)
+    finally:
+        module._results_queue._manager.shutdown()
+
+
 def test_applying_twice_keeps_one_wrapper(shared_queue_module):
     write_results_per_save.apply(shared_queue_module, "auto")
     wrapper = shared_queue_module._get_write_results_queue

@@ -40,12 +40,21 @@ ELLIPSIS = "…"
 
 # The error texts people search for (tests/test_e2e_save.py and test_e2e_job_path.py assert
 # that real saves and loads produce them).
+from test_e2e_async_faults import REASONS  # noqa: E402
 from test_e2e_async_results import DAMAGED_READS  # noqa: E402
-from test_e2e_fresh_stack import NO_PKG_RESOURCES, PLANNED_TWICE, PRODUCT, WEIGHTS_ONLY  # noqa: E402
+from test_e2e_fresh_stack import (  # noqa: E402
+    NO_PKG_RESOURCES,
+    OLDER_TORCH_READING_2_15,
+    PLANNED_TWICE,
+    PRODUCT,
+    STRIDES,
+    WEIGHTS_ONLY,
+)
 from test_e2e_job_path import MISSING_MCORE_DATA  # noqa: E402
 from test_e2e_save import MISSING_FORMAT, MISSING_STORAGE_KEY, MISSING_TWO  # noqa: E402
 from test_e2e_shape_mismatch import SIZE_MISMATCH  # noqa: E402
 
+WRITER_KILLED = REASONS["writer-sigkill"].replace(" while writing", "")
 NO_PACKAGING = "ImportError: cannot import name 'packaging' from 'pkg_resources'"  # test_e2e_fresh_stack asserts it
 ERROR_TEXTS = [
     MISSING_FORMAT,
@@ -58,6 +67,8 @@ ERROR_TEXTS = [
     PLANNED_TWICE,
     DAMAGED_READS[0],
     SIZE_MISMATCH.split(" torch.Size")[0],
+    STRIDES.split(": ", 1)[1],
+    OLDER_TORCH_READING_2_15,
 ]
 
 
@@ -140,7 +151,7 @@ def listed_paths(block: str) -> List[str]:
 
 
 def known_errors() -> List[str]:
-    from mcore_autopatch.fixes import load_without_mcore_data
+    from mcore_autopatch.fixes import failed_saves_raise_everywhere, load_without_mcore_data
 
     return [
         "RuntimeError: Worker failure: " + MISSING_FORMAT,
@@ -162,6 +173,11 @@ def known_errors() -> List[str]:
         "_pickle.UnpicklingError: Weights only load failed. … Unsupported persistent id …",
         "ValueError: %s for embedding.word_embeddings.weight"
         % SIZE_MISMATCH.replace("([8, 6])", "([…])").replace("([12, 6])", "([…])"),
+        STRIDES,
+        # tests/test_e2e_async_faults.py: every rank raises this, naming rank 1 and the killed writer
+        "CheckpointException ranks:dict_keys([1])\nTraceback (most recent call last): (RANK 1)\nRuntimeError: rank 1: "
+        "its write failed: RuntimeError: the process ForkProcess-3:1 (pid 11601) %s while writing "
+        "/ckpt/iter_0000002/__1_0.distcp (%s)" % (WRITER_KILLED, failed_saves_raise_everywhere.NOTE),
     ]
 
 

@@ -228,6 +228,7 @@ def test_sharded_objects_planned_twice_on_torch_2_6_without_the_package(torch_py
 # --- torch 2.15: TensorProperties.strides ----------------------------------------------------------------
 
 STRIDES = "TypeError: empty() got an unexpected keyword argument 'strides'"
+OLDER_TORCH_READING_2_15 = "too many values to unpack (expected 5)"
 STRIDES_ROWS = ["0.6.0", "0.8.0", "0.11.0", "0.12.1", "0.13.1", "0.14.0", "0.15.3", "0.16.1"]
 STRIDES_OFF = "describe and strict-load on torch 2.15 without tensor_properties_fields: the strides TypeError"
 
@@ -264,7 +265,7 @@ def test_a_checkpoint_saved_on_torch_2_15_cannot_be_read_by_torch_2_14_or_earlie
     older = torch_python("2.13.0-numpy2")
     resume = run_training_job(older, "0.12.1", "resume", copy_of(save["root"]), *args)
     assert not resume["ok"]
-    assert "too many values to unpack (expected 5)" in resume["ranks"][0]["error"], resume["ranks"][0]["error"]
+    assert OLDER_TORCH_READING_2_15 in resume["ranks"][0]["error"], resume["ranks"][0]["error"]
     folder = os.path.join(save["root"], "iter_0000002")
     inspect = run_python(
         older, ["-m", "mcore_autopatch", "inspect", folder], clean_env(PYTHONPATH=mcore_folder("0.12.1"))

@@ -53,6 +53,7 @@ QUEUE_CLASS = "AsyncCallsQueue"
 # that overflows int32 (more than 16,383 failed ranks) reads as negative, a failure too.
 FAIL_UNIT = 1 << 17
 FAILED_CALLER = "mcore_autopatch_failed_caller"
+NOTE = "mcore-autopatch: the save failed on every rank; no .metadata was written and its finalize did not run"
 _SAVE = "_mcore_autopatch_save"  # on a caller: what its save writes (Save)
 _SAVES = "_mcore_autopatch_saves"  # on a persistent caller: Save by call index
 _FAILED = "_mcore_autopatch_failed"  # on a caller: why its save failed before its process ran
@@ -351,9 +352,8 @@ def raise_everywhere(check: DoneCheck) -> None:
 
 def save_failed(caller: Any, failures: Dict[int, str]) -> BaseException:
     """torch's CheckpointException naming every failed rank and why, marked with the caller."""
-    note = "mcore-autopatch: the save failed on every rank; no .metadata was written and its finalize did not run"
     error = checkpoint_errors.checkpoint_exception(
-        {rank: RuntimeError("rank %d: %s (%s)" % (rank, text, note)) for rank, text in failures.items()}
+        {rank: RuntimeError("rank %d: %s (%s)" % (rank, text, NOTE)) for rank, text in failures.items()}
     )
     setattr(error, FAILED_CALLER, caller)
     logger.warning("the async save failed on ranks %s: %s", sorted(failures), "; ".join(failures.values()))

@@ -61,11 +61,15 @@ class Evaluation:
 
 
 def globals_stored(function: Any) -> "set[str]":
-    """The module globals ``function`` (or code nested in it) assigns (``global X; X = ...``)."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return set()
-    return {name for c in code_reading.nested(code) for name in code_reading.stored_names(c, "STORE_GLOBAL")}
+    """The module globals ``function`` (or code nested in it) assigns (``global X; X = ...``),
+    through what decorates it (0.17+ and nvidia-resiliency-ext 0.6+ wrap the getter in
+    ``@_disable_gc()``, whose wrapper's own code stores nothing)."""
+    return {
+        name
+        for code in code_reading.codes_of(function)
+        for c in code_reading.nested(code)
+        for name in code_reading.stored_names(c, "STORE_GLOBAL")
+    }
 
 
 def shared_queues(module: ModuleType) -> Tuple[SharedQueue, ...]:
