@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import envs  # noqa: E402
+import envs
 
 PEER_VENV = os.path.join(envs.CACHE, "peer-venv")
 PLUGIN_DIR = os.path.join(envs.ROOT, "tests", "peer")

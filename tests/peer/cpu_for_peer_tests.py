@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "job_path"))
-import cpu_stand_in_for_cuda  # noqa: E402
+import cpu_stand_in_for_cuda
 
 _results: Dict[str, Dict[str, str]] = {}
 
