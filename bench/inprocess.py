@@ -7,6 +7,8 @@
     python bench/inprocess.py per-item ROUNDS ITEMS      # the safe _write_item vs torch's own
     python bench/inprocess.py torch-save MIB PATH        # torch.save + fsync of the 'large' tensor
     python bench/inprocess.py shim-job JOB ARGS...       # the job with a hand-made one-line shim
+    python bench/inprocess.py results-fixes ROUNDS FILES # a queue per save, the file check
+    python bench/inprocess.py failure-rows ROUNDS FILES CHECKS  # the failed-save rows when nothing fails
 
 Each prints one JSON line. Standard library only at the top: torch, megatron-core (from
 PYTHONPATH) and mcore_autopatch (installed in the venv) are imported where measured.
@@ -405,6 +407,75 @@ def shim_job(job: str, *args: str) -> None:
     runpy.run_path(job, run_name="__main__")
 
 
+def failure_rows(rounds: int, files: int, checks: int) -> None:
+    """What failed_saves_raise_everywhere adds when nothing fails, in a process where the hook
+    applied it: once per save, the look at the save's own results queue (its item taken and put
+    back, ``files`` files of the rank checked); at every done check, the all-reduce through our
+    stand-in (``checks`` calls of a one-element all-reduce on a 1-rank gloo group) against the
+    real one."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    importlib.import_module(WRITER)
+    async_utils = importlib.import_module(PACKAGE + ".strategies.async_utils")
+    from mcore_autopatch.fixes import failed_saves_raise_everywhere as fix
+    from mcore_autopatch.shared import standin
+
+    if "distributed" not in standin.overrides(async_utils.torch):
+        raise SystemExit("failed_saves_raise_everywhere is not applied here")
+    writer = importlib.import_module(WRITER)
+    own = writer._get_write_results_queue()  # a queue of its own, as each save gets
+    folder = tempfile.mkdtemp(prefix="bench-failure-rows-")
+    results = []
+    for i in range(files):
+        name = "__0_%d.distcp" % i
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"x" * 4096)
+        results.append(SimpleNamespace(storage_data=SimpleNamespace(relative_path=name, offset=0, length=4096)))
+    own.put({0: results})
+
+    def look() -> float:
+        save = fix.Save(own, [os.path.join(folder, "__0_0.distcp")])
+        t0 = time.perf_counter()
+        if fix.written_failure(save) is not None:
+            raise SystemExit("the bench's results do not match its files")
+        return time.perf_counter() - t0
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    tensor = torch.tensor([0], dtype=torch.int)
+    ours, real = async_utils.torch.distributed.all_reduce, dist.all_reduce
+    caller = SimpleNamespace(process=None)  # a rank whose save is still running
+
+    def reduce_with(all_reduce: Callable[..., Any], armed: bool) -> Callable[[], float]:
+        def run() -> float:
+            t0 = time.perf_counter()
+            for _ in range(checks):
+                if armed:
+                    fix._checks.append(fix.DoneCheck(caller))
+                all_reduce(tensor)
+                if armed:
+                    fix._checks.pop()
+            return (time.perf_counter() - t0) / checks
+
+        return run
+
+    samples = alternate(
+        {
+            "look at the results": look,
+            "done check, ours": reduce_with(ours, True),
+            "done check, real": reduce_with(real, False),
+        },
+        rounds,
+    )
+    dist.destroy_process_group()
+    emit({name: [v * 1e3 for v in values] for name, values in samples.items()})
+
+
 def results_fixes(rounds: int, files: int) -> None:
     """What write_results_per_save and results_match_files add to one save, in a process where
     the hook applied them: the writer's queue (a new queue on the manager, against megatron-
@@ -440,7 +511,7 @@ def results_fixes(rounds: int, files: int) -> None:
 
     def check() -> float:
         t0 = time.perf_counter()
-        if results_match_files.mismatch(writer_at_folder, [results]) is not None:
+        if results_match_files.mismatch(writer_at_folder, results) is not None:
             raise SystemExit("the bench's files do not match")
         return time.perf_counter() - t0
 
@@ -465,6 +536,7 @@ def main(argv: List[str]) -> int:
             "fix-breakdown": fix_breakdown,
             "per-item": per_item,
             "results-fixes": results_fixes,
+            "failure-rows": failure_rows,
         }[name](*(int(a) for a in args))
     return 0
 

@@ -240,3 +240,22 @@ def test_inspect_names_an_unfinished_save_and_the_iteration_to_resume_from(tmp_p
     assert inspect_checkpoint.exit_code(report) == inspect_checkpoint.DAMAGED
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")  # names the unfinished one
     assert inspect_checkpoint.unfinished_save(str(tmp_path / "iter_0000002"))["resume_from"].endswith("iter_0000001")
+
+
+def test_the_gates_rule_out_what_the_implementations_would_call_not_needed():
+    """A writer of threads (megatron-core 0.17+), a module without a worker loop (0.7 - 0.11):
+    the table rules the fix out without importing it, and the fix says the same."""
+    from mcore_autopatch.fixes import writer_processes_watched
+
+    threads = types.ModuleType("FAKE_filesystem_async")
+    threads.FileSystemWriterAsync = type("FileSystemWriterAsync", (), {"write_preloaded_data_multithread": None})
+    threads.FileSystemWriterAsync.__module__ = threads.__name__
+    row = fixes.by_name("writer_processes_watched")
+    assert fixes.ruled_out(row, threads) is not None
+    assert writer_processes_watched.evaluate(threads, "auto").decision.needed is False
+    assert writer_processes_watched.METHOD in fixes._writer_forks_its_writers.__code__.co_consts
+
+    no_worker = types.ModuleType("FAKE_async_utils")
+    no_worker.DistributedAsyncCaller = type("DistributedAsyncCaller", (), {"is_current_async_call_done": None})
+    assert fixes.ruled_out(fixes.by_name("async_worker_watched"), no_worker) is not None
+    assert async_worker_watched.evaluate(no_worker, "auto").decision.needed is False

@@ -147,6 +147,7 @@ def _async_failure_fixes(writer: writers.KnownWriter) -> Tuple[Fix, ...]:
             "died) and write_preloaded_data_multiproc (what stopped it goes on the save's results queue)"
             % writer.module,
             importers=writer.importers,
+            gate="_writer_forks_its_writers",
         ),
         Fix(
             name="async_worker_watched",
@@ -158,6 +159,7 @@ def _async_failure_fixes(writer: writers.KnownWriter) -> Tuple[Fix, ...]:
             "schedule_async_call / is_current_async_call_done / close (which worker the waits watch), and the "
             "worker loop (what it raised goes on comp_q)" % writer.async_module,
             importers=writer.importers,
+            gate="_module_runs_a_worker_loop",
         ),
         Fix(
             name="failed_saves_raise_everywhere",
@@ -310,6 +312,22 @@ def _torch_finish_may_rebuild_the_metadata(module: ModuleType) -> Optional[str]:
     return "torch %s's FileSystemWriter.finish updates the Metadata in place: what megatron-core sets on it is kept" % (
         torch
     )
+
+
+def _writer_forks_its_writers(module: ModuleType) -> Optional[str]:
+    writer = vars(module).get("FileSystemWriterAsync")
+    if isinstance(writer, type) and "write_preloaded_data_multiproc" not in vars(writer):
+        return "its FileSystemWriterAsync writes from threads (no write_preloaded_data_multiproc): none dies alone"
+    return None
+
+
+def _module_runs_a_worker_loop(module: ModuleType) -> Optional[str]:
+    for value in vars(module).values():
+        if isinstance(value, type) and any(
+            name.startswith("async_loop") and isinstance(member, staticmethod) for name, member in vars(value).items()
+        ):
+            return None
+    return "no persistent checkpoint worker here (one process per save, watched by failed_saves_raise_everywhere)"
 
 
 # The keywords torch.empty takes that TensorProperties held through torch 2.14; a field beyond

@@ -249,7 +249,7 @@ def _failure_in(results: Any) -> Optional[str]:
 class DoneCheck:
     """One done check of ``caller`` in progress: what this rank added and what the sum said."""
 
-    __slots__ = ("caller", "failed_anywhere", "group", "reason", "used")
+    __slots__ = ("caller", "failed_anywhere", "group", "item", "reason", "used")
 
     def __init__(self, caller: Any) -> None:
         self.caller = caller
@@ -257,6 +257,7 @@ class DoneCheck:
         self.reason: Optional[str] = None
         self.failed_anywhere = False
         self.group: Any = None
+        self.item: Any = None  # a persistent caller's completed call, when the check ran
 
 
 _checks: List[DoneCheck] = []  # the done checks running in this process, innermost last
@@ -278,6 +279,7 @@ def counting_failures(real_all_reduce: Callable[..., Any], torch_distributed: An
             return real_all_reduce(tensor, *args, **kwargs)
         check.used = True
         check.group = args[1] if len(args) > 1 else kwargs.get("group")
+        check.item = getattr(check.caller, "cur_item", None)
         try:
             check.reason = local_failure(check.caller)
         except Exception:  # a verdict that cannot be read never fails a save
@@ -416,6 +418,8 @@ def done_check(original: Callable[..., Any], qualname: str) -> Callable[..., Any
             _checks.remove(check)
         if check.failed_anywhere:
             raise_everywhere(check)
+        if done and check.item is not None:  # finished on every rank: its record goes
+            vars(self).get(_SAVES, {}).pop(check.item, None)
         if not check.used:  # no_dist=True: this rank decides alone, as it asked
             reason = local_failure(self)
             if reason is not None:

@@ -166,6 +166,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument(
+        "--async-strategy",
+        choices=["nvrx", "mcore"],
+        default="nvrx",
+        help="megatron-core 0.17+: whose async save path (Megatron-LM's default: nvidia-resiliency-ext's); its "
+        "AsyncCallsQueue comes with it",
+    )
+    p.add_argument(
         "--nvrx",
         action="store_true",
         help="faults: nvidia-resiliency-ext's AsyncCallsQueue (and callers) instead of megatron-core's",
@@ -527,6 +534,8 @@ class Release:
         from megatron.core.dist_checkpointing import serialization
 
         self.async_save = "async_sharded_save" in inspect.signature(dist_checkpointing.save).parameters  # 0.7
+        # 0.17: async saves through nvidia-resiliency-ext's strategy by default, or megatron-core's
+        self.async_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
         self.default_strategies = hasattr(serialization, "get_default_save_sharded_strategy")  # 0.7
         try:
             from megatron.core.dist_checkpointing.strategies import fully_parallel  # noqa: F401  (0.7)
@@ -574,11 +583,21 @@ def make_save_strategy(context, release):
 
 
 NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+ASYNC_STRATEGY = {"name": "nvrx"}  # --async-strategy, for megatron-core 0.17+
+
+
+def save_kwargs(release):
+    """What checkpointing.py passes to dist_checkpointing.save for an async save's strategy (0.17+)."""
+    return {"async_strategy": ASYNC_STRATEGY["name"]} if release.async_strategy else {}
 
 
 def async_queue(persistent, nvrx=False):
-    """megatron-core's AsyncCallsQueue, or with ``nvrx`` nvidia-resiliency-ext's (which Megatron-LM
-    0.17+ uses by default, and 0.12 - 0.16 for local checkpoints)."""
+    """megatron-core's AsyncCallsQueue, or nvidia-resiliency-ext's (``nvrx``, or megatron-core 0.17+
+    with its default async strategy: Megatron-LM then takes the queue of that strategy)."""
+    if not nvrx and ASYNC_STRATEGY["name"] == "nvrx":
+        from megatron.core import dist_checkpointing
+
+        nvrx = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
     if nvrx:
         AsyncCallsQueue = __import__(NVRX_ASYNC, fromlist=["AsyncCallsQueue"]).AsyncCallsQueue
         return AsyncCallsQueue(persistent=persistent)
@@ -627,7 +646,9 @@ def save_one(state, iteration, root, context, queue, rank, release, synchronous=
         dist.barrier()
         iter_finalize_fn()
         return folder
-    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
+    request = dist_checkpointing.save(
+        state, folder, strategy, async_sharded_save=True, validate_access_integrity=first, **save_kwargs(release)
+    )
     request.add_finalize_fn(iter_finalize_fn)
     schedule(queue, request)
     return folder
@@ -850,7 +871,9 @@ def schedule_faulty_save(state, iteration, args, context, queue, rank, release, 
             with open(os.path.join(args.root, TRACKER), "w") as f:
                 f.write(str(iteration))
 
-    request = dist_checkpointing.save(state, folder, strategy, async_sharded_save=True, validate_access_integrity=first)
+    request = dist_checkpointing.save(
+        state, folder, strategy, async_sharded_save=True, validate_access_integrity=first, **save_kwargs(release)
+    )
     request.add_finalize_fn(iter_finalize_fn)
     if faulty and args.fault == "preload-raises":
         if getattr(request, "preload_fn", None) is None:
@@ -1083,6 +1106,7 @@ def job(args):
 
         result["torch"] = torch.__version__
         result["numpy"] = numpy.__version__
+        ASYNC_STRATEGY["name"] = args.async_strategy
         result["python"] = platform.python_version()
         if args.slow_write:  # before any write process is forked or spawned
             os.environ["JOB_SLOW_WRITES"] = args.slow_write
