@@ -16,10 +16,10 @@ tests/test_e2e_async_faults.py through nvidia-resiliency-ext's strategy.
 """
 
 import os
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
-from conftest import CPU_TORCH, job_failure, run_dir_folder, run_training_job
+from conftest import CPU_TORCH, envs, job_failure, run_dir_folder, run_training_job
 from test_e2e_async_faults import (
     SLOW_SAVE_2,
     STALL_S,
@@ -60,10 +60,33 @@ def pairs(strategies: List[str]) -> List[Any]:
     return [pytest.param(m, n, s, id="%s-nvrx%s-%s" % (m, n, s)) for m, n in PAIRS for s in strategies]
 
 
+TORCHES = ["2.13.0", "2.15.0-numpy2"]
+
+
+@pytest.fixture(scope="session")
+def newest_python(torch_python, tmp_path_factory):
+    """torch 2.15.0 (a CUDA build: triton comes with it), or 2.13.0 (the CPU wheel) with triton
+    from the registry beside it: megatron-core 0.18+ import triton."""
+    made: Dict[str, str] = {}
+
+    def get(torch: str) -> str:
+        if torch != CPU_TORCH:
+            return torch_python(torch)
+        if torch not in made:
+            folder = str(tmp_path_factory.mktemp("newest") / "venv")
+            python = envs.clone_venv(os.path.dirname(os.path.dirname(torch_python(CPU_TORCH))), folder)
+            envs.pip_install(python, "triton")
+            made[torch] = python
+        return made[torch]
+
+    return get
+
+
+@pytest.mark.parametrize("torch", TORCHES)
 @pytest.mark.parametrize("mcore,nvrx,strategy", pairs(["nvrx", "mcore"]))
-def test_the_newest_releases_save_and_resume(torch_python, mcore, nvrx, strategy):
+def test_the_newest_releases_save_and_resume(newest_python, mcore, nvrx, strategy, torch):
     path = tree_path(mcore, nvrx)
-    python = torch_python(CPU_TORCH)
+    python = newest_python(torch)
     root = run_dir_folder("newest-%s-" % mcore)
     args = [*MODEL, "--async-strategy", strategy]
     save = run_training_job(python, mcore, "save", root, "--iterations", "2", *args, path=path)
@@ -77,13 +100,13 @@ def test_the_newest_releases_save_and_resume(torch_python, mcore, nvrx, strategy
 
 @pytest.mark.parametrize("fault", ["enospc", "worker-kill", "preload-raises", "writer-sigkill"])
 @pytest.mark.parametrize("mcore,nvrx", [("0.17.1", "0.6.0"), ("0.19.0", "0.7.0-main")])
-def test_a_fault_fails_the_newest_releases_save_on_every_rank(torch_python, mcore, nvrx, fault):
+def test_a_fault_fails_the_newest_releases_save_on_every_rank(newest_python, mcore, nvrx, fault):
     """Writers are threads in the worker there: a killed writer is a killed worker."""
     path = tree_path(mcore, nvrx)
     root = run_dir_folder("newest-fault-%s-" % mcore)
     bounds = ["--pg-timeout", "300", "--rank-timeout", str(STALL_S + 60), "--fault-bound", str(STALL_S)]
     args = ["--scenario", "faults", "--fault", fault, *SLOW_SAVE_2, *MODEL, *bounds]
-    result = run_training_job(torch_python(CPU_TORCH), mcore, "save", root, *args, path=path, timeout=300)
+    result = run_training_job(newest_python("2.15.0-numpy2"), mcore, "save", root, *args, path=path, timeout=300)
     result["root"] = root
     assert_every_rank_raised_with_the_reason(result, "worker-kill" if fault == "writer-sigkill" else fault)
     assert_the_job_saved_again(result)

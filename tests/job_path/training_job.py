@@ -891,10 +891,10 @@ def schedule_faulty_save(state, iteration, args, context, queue, rank, release, 
 
 
 def faults_job(args, result):
-    """Save 1; save 2 with ``--fault`` on ``--fault-rank``; training steps (a non-blocking finalize
-    each) until the failed save raises on this rank, or ``--fault-bound`` seconds pass (a stall);
-    then, unless ``--uncaught``, the job goes on as one that catches the exception: save 3,
-    finalized, loaded back and compared."""
+    """Save 2 with ``--fault`` on ``--fault-rank``; training steps (a non-blocking finalize each)
+    until the failed save raises on this rank, or ``--fault-bound`` seconds pass (a stall); then
+    the job goes on as one that catches the exception: save 3, finalized, loaded back and
+    compared; or, with ``--uncaught``, save 1 comes first and the failure ends the job."""
     global _async_calls_queue
     rank, world = init(args)
     result["rank"] = rank
@@ -904,8 +904,10 @@ def faults_job(args, result):
     queue = _async_calls_queue = async_queue(args.persistent, args.nvrx)
     faulty = rank == args.fault_rank
     os.environ["JOB_FAULT_ROOT"] = args.root
-    save_and_finalize(full_state(args, 1, rank, world), 1, args.root, context, queue, rank, release)
-    result["saved"] = [1]
+    result["saved"] = []
+    if args.uncaught:  # a job that ends with the failure resumes from the save before it
+        save_and_finalize(full_state(args, 1, rank, world), 1, args.root, context, queue, rank, release)
+        result["saved"].append(1)
     started = time.time()
     schedule_faulty_save(full_state(args, 2, rank, world), 2, args, context, queue, rank, release, faulty)
     raised = None
