@@ -7,8 +7,8 @@ forked writers, a non-blocking finalize every training step, checkpointing.py's 
 each scheduling, the queue in a module global as Megatron-LM keeps it): save 2 with one fault
 on rank 1, training steps until it raises, then, as a job that catches it, save 3, finalized,
 loaded back and compared (``--uncaught``: save 1 first, and the failure ends the job). The
-faults (tests/job_path/faulty_writes.py and the job's own): a writer process killed by SIGKILL (the OOM killer) and one that dies of a real
-segmentation fault, a full disk (``ENOSPC``), the temporal (or 0.7 - 0.11 distributed) async
+faults (tests/job_path/faulty_writes.py and the job's own): a writer process killed by SIGKILL
+(the OOM killer) and one that dies of a real segmentation fault, a full disk (``ENOSPC``), the temporal (or 0.7 - 0.11 distributed) async
 process or the persistent worker killed, ``preload_fn`` raising. Where the job kills a process,
 save 2's write on both ranks is made slow (3 s), so that it is killed while it writes.
 
