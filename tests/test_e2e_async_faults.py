@@ -1,5 +1,5 @@
-"""A failed async save fails on every rank, within seconds, with its reason (writer_processes_watched,
-async_worker_watched, failed_saves_raise_everywhere).
+"""A failed async save fails on every rank, within seconds, with its reason
+(writer_processes_watched, async_worker_watched, failed_saves_raise_everywhere).
 
 tests/job_path/training_job.py ``save --scenario faults`` runs Megatron-LM's async checkpoint
 path on 2 gloo ranks (``AsyncCallsQueue``, the release's ``FileSystemWriterAsync`` with its
