@@ -1,5 +1,5 @@
-"""A failed async save fails on every rank, within seconds, with its reason
-(writer_processes_watched, async_worker_watched, failed_saves_raise_everywhere).
+"""A failed async save fails on every rank, within seconds, with its reason (writer_processes_watched,
+async_worker_watched, failed_saves_raise_everywhere).
 
 tests/job_path/training_job.py ``save --scenario faults`` runs Megatron-LM's async checkpoint
 path on 2 gloo ranks (``AsyncCallsQueue``, the release's ``FileSystemWriterAsync`` with its
@@ -8,8 +8,9 @@ each scheduling, the queue in a module global as Megatron-LM keeps it): save 2 w
 on rank 1, training steps until it raises, then, as a job that catches it, save 3, finalized,
 loaded back and compared (``--uncaught``: save 1 first, and the failure ends the job). The
 faults (tests/job_path/faulty_writes.py and the job's own): a writer process killed by SIGKILL
-(the OOM killer) and one that dies of a real segmentation fault, a full disk (``ENOSPC``), the temporal (or 0.7 - 0.11 distributed) async
-process or the persistent worker killed, ``preload_fn`` raising. Where the job kills a process,
+(the OOM killer) and one that dies of a real segmentation fault, a full disk (``ENOSPC``), the
+temporal (or 0.7 - 0.11 distributed) async process or the persistent worker killed,
+``preload_fn`` raising. Where the job kills a process,
 save 2's write on both ranks is made slow (3 s), so that it is killed while it writes.
 
 With the fix every rank raises torch's ``CheckpointException`` naming rank 1 and why, within
