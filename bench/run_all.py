@@ -3,6 +3,7 @@
     python3 bench/run_all.py                 # everything, about 5-10 minutes
     python3 bench/run_all.py --quick         # fewer repeats, for development
     python3 bench/run_all.py --only startup fix
+    python3 bench/run_all.py --only faults   # how soon a failed async save raises everywhere
     python3 bench/run_all.py --strict        # exit 1 when a budget is missed
 
 Builds the wheel from this checkout, clones ``.cache/e2e-venv`` twice under a temporary
@@ -19,6 +20,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import fault_latency
 import fix_cost
 import import_cost
 import save_cost
@@ -42,6 +44,7 @@ BENCHMARKS: Dict[str, Callable[[BenchEnvs, bool], List[Row]]] = {
     "import": import_cost.run,
     "fix": fix_cost.run,
     "save": save_cost.run,
+    "faults": fault_latency.run,
 }
 
 

@@ -22,9 +22,9 @@ import pytest
 from conftest import CPU_TORCH, envs, job_failure, run_dir_folder, run_training_job
 from test_e2e_async_faults import (
     SLOW_SAVE_2,
-    STALL_S,
     assert_every_rank_raised_with_the_reason,
     assert_the_job_saved_again,
+    fault_bounds,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.matrix]
@@ -104,9 +104,8 @@ def test_a_fault_fails_the_newest_releases_save_on_every_rank(newest_python, mco
     """Writers are threads in the worker there: a killed writer is a killed worker."""
     path = tree_path(mcore, nvrx)
     root = run_dir_folder("newest-fault-%s-" % mcore)
-    bounds = ["--pg-timeout", "300", "--rank-timeout", str(STALL_S + 60), "--fault-bound", str(STALL_S)]
-    args = ["--scenario", "faults", "--fault", fault, *SLOW_SAVE_2, *MODEL, *bounds]
-    result = run_training_job(newest_python("2.15.0-numpy2"), mcore, "save", root, *args, path=path, timeout=300)
+    args = ["--scenario", "faults", "--fault", fault, *SLOW_SAVE_2, *MODEL, *fault_bounds(stall=False)]
+    result = run_training_job(newest_python("2.15.0-numpy2"), mcore, "save", root, *args, path=path, timeout=600)
     result["root"] = root
     assert_every_rank_raised_with_the_reason(result, "worker-kill" if fault == "writer-sigkill" else fault)
     assert_the_job_saved_again(result)
