@@ -145,18 +145,10 @@ def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed:
         return ev.decision, is_applied(module)
-    namespace = vars(module)
-    for owner in sorted(ev.owners):
-        current = namespace.get(owner)
-        if "get_context" in standin.overrides(current):
-            continue
-        real = standin.real_module(current)
-        get_context = process_watch.watched_get_context(real, process_watch.CurrentCaller)
-        refused = standin.rebind(namespace, owner, real, {"get_context": get_context}, "its contexts' waits watch")
-        if refused:
-            return Decision(
-                True, "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
-            ), False
+    refused = process_watch.watch_contexts(vars(module), ev.owners, process_watch.CurrentCaller)
+    if refused:
+        why = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
+        return Decision(True, why), False
     for cls in ev.callers:
         for name in WATCHED_METHODS:
             if callable(getattr(cls, name, None)):

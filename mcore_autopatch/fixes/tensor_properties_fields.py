@@ -133,13 +133,11 @@ def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.torch is None:
         return ev.decision, is_applied(module)
-    namespace = vars(module)
     why = "empty() leaves out %s" % ", ".join(ev.refused)
-    for owner in sorted(ev.owners):
-        if "empty" in standin.overrides(namespace.get(owner)):
-            continue  # already given (a re-import, or a second look)
-        refused = standin.rebind(namespace, owner, ev.torch, {"empty": leaving_out(ev.torch.empty, ev.refused)}, why)
-        if refused:
-            reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
-            return Decision(True, reason, where=ev.decision.where), False
+    refused = standin.override_each(
+        vars(module), ev.owners, "empty", lambda torch: leaving_out(torch.empty, ev.refused), why, real=ev.torch
+    )
+    if refused:
+        reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
+        return Decision(True, reason, where=ev.decision.where), False
     return ev.decision, True

@@ -154,13 +154,11 @@ def apply(module: ModuleType, mode: str) -> "tuple[Decision, bool]":
     ev = evaluate(module, mode)
     if not ev.decision.needed or ev.torch is None:
         return ev.decision, is_applied(module)
-    namespace = vars(module)
-    for owner in ev.owners:
-        if "load" in standin.overrides(namespace.get(owner)):
-            continue
-        load = loading_whole_pickle_by_default(ev.torch.load)
-        refused = standin.rebind(namespace, owner, ev.torch, {"load": load}, "load() defaults to weights_only=False")
-        if refused:
-            reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
-            return Decision(True, reason), False
+    why = "load() defaults to weights_only=False"
+    refused = standin.override_each(
+        vars(module), ev.owners, "load", lambda torch: loading_whole_pickle_by_default(torch.load), why, real=ev.torch
+    )
+    if refused:
+        reason = "%s; but %s.%s, so it is left alone" % (ev.decision.reason, module.__name__, refused)
+        return Decision(True, reason), False
     return ev.decision, True

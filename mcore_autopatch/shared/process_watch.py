@@ -23,8 +23,9 @@ import multiprocessing.queues
 import queue as queue_module
 import signal
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from mcore_autopatch.shared import standin
 from mcore_autopatch.shared.log import logger
 
 POLL_S = 0.2  # how often a wait looks at the process it waits on; a dead one is seen within this
@@ -256,3 +257,14 @@ def watched_get_context(real_mp: Any, make_watcher: Callable[[], Watcher]) -> Ca
     get_context.__wrapped__ = real_mp.get_context  # type: ignore[attr-defined]
     get_context.__doc__ = getattr(real_mp.get_context, "__doc__", None)
     return get_context
+
+
+def watch_contexts(
+    namespace: Dict[str, Any], owners: Iterable[str], make_watcher: Callable[[], Watcher]
+) -> Optional[str]:
+    """Make each ``namespace[owner]`` (a module's ``multiprocessing`` global) a stand-in whose
+    contexts watch their waits. None when done, else why one was left alone."""
+    def make(real: Any) -> Callable[..., Any]:
+        return watched_get_context(real, make_watcher)
+
+    return standin.override_each(namespace, owners, "get_context", make, "its contexts' waits watch")

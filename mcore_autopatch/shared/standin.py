@@ -10,7 +10,7 @@ other module's view of it, stays exactly as it was.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
 MARK = "__mcore_autopatch__"  # set on every stand-in: what it overrides, for status and tests
 
@@ -62,4 +62,26 @@ def rebind(namespace: Dict[str, Any], name: str, real: ModuleType, new: Mapping[
     elif current is not real:
         return "%s is already %r" % (name, current)
     namespace[name] = ModuleStandIn(real, new, why)
+    return None
+
+
+def override_each(
+    namespace: Dict[str, Any],
+    owners: Iterable[str],
+    name: str,
+    make: Callable[[Any], Any],
+    why: str,
+    real: Optional[ModuleType] = None,
+) -> Optional[str]:
+    """Give each global ``owners`` of ``namespace`` a stand-in whose ``name`` is ``make(module)``,
+    over ``real`` (by default the module the global holds). None when done, else why one was
+    left alone (``rebind``)."""
+    for owner in sorted(owners):
+        current = namespace.get(owner)
+        if name in overrides(current):
+            continue  # given already (a re-import, or a second look)
+        module = real if real is not None else real_module(current)
+        refused = rebind(namespace, owner, module, {name: make(module)}, why)
+        if refused:
+            return refused
     return None

@@ -623,9 +623,10 @@ def finalize(queue, blocking):
         return queue.maybe_finalize_async_calls(blocking=blocking)
 
 
-def save_one(state, iteration, root, context, queue, rank, release, synchronous=False):
+def save_one(state, iteration, root, context, queue, rank, release, synchronous=False, change_request=None):
     """One save as checkpointing.py's save_checkpoint makes it; returns once it is scheduled
-    (async) or written (synchronous: megatron-core 0.6, or ``synchronous``)."""
+    (async) or written (synchronous: megatron-core 0.6, or ``synchronous``). ``change_request``:
+    what the async request becomes before it is scheduled (the fault scenario's)."""
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(root, iteration)
@@ -650,7 +651,7 @@ def save_one(state, iteration, root, context, queue, rank, release, synchronous=
         state, folder, strategy, async_sharded_save=True, validate_access_integrity=first, **save_kwargs(release)
     )
     request.add_finalize_fn(iter_finalize_fn)
-    schedule(queue, request)
+    schedule(queue, change_request(request) if change_request else request)
     return folder
 
 
@@ -870,28 +871,15 @@ def schedule_faulty_save(state, iteration, args, context, queue, rank, release, 
     """Save ``iteration`` as save_checkpoint does (scheduled, then Megatron-LM's barrier), with
     ``args.fault`` on this rank when ``faulty``."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
-    folder = iteration_dir(args.root, iteration)
-    if rank == 0:
-        os.makedirs(folder, exist_ok=True)
-    dist.barrier()
-    strategy, first = make_save_strategy(context, release)
+    def with_fault(request):
+        if faulty and args.fault == "preload-raises":
+            if getattr(request, "preload_fn", None) is None:
+                raise SystemExit("--fault preload-raises: this release's async requests have no preload_fn")
+            return request._replace(preload_fn=raise_in_preload)
+        return request
 
-    def iter_finalize_fn():
-        if rank == 0:
-            with open(os.path.join(args.root, TRACKER), "w") as f:
-                f.write(str(iteration))
-
-    request = dist_checkpointing.save(
-        state, folder, strategy, async_sharded_save=True, validate_access_integrity=first, **save_kwargs(release)
-    )
-    request.add_finalize_fn(iter_finalize_fn)
-    if faulty and args.fault == "preload-raises":
-        if getattr(request, "preload_fn", None) is None:
-            raise SystemExit("--fault preload-raises: this release's async requests have no preload_fn")
-        request = request._replace(preload_fn=raise_in_preload)
-    schedule(queue, request)
+    save_one(state, iteration, args.root, context, queue, rank, release, change_request=with_fault)
     if faulty and args.fault in ("async-process-kill", "worker-kill"):
         process = queue.async_calls[-1].async_caller.process
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
