@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -301,7 +302,7 @@ def run_ranks(script, child_argv, count, timeout):
             stop(p)  # and whatever it left running, which would hold its stdout open
             out, _ = p.communicate()
             lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
-            rank = json.loads(lines[-1]) if lines else {"ok": False, "error": "rank exited %s" % p.returncode}
+            rank = json.loads(lines[-1]) if lines else {"ok": False, "error": "rank %d %s" % (r, ended(p.returncode))}
             rank["exited"] = exited
             if not exited:
                 rank["ok"] = False
@@ -311,6 +312,16 @@ def run_ranks(script, child_argv, count, timeout):
         for p in procs:
             stop(p)
     return ranks
+
+
+def ended(returncode):
+    """How a rank's process ended, in words ("exited with code 3", "was killed by SIGKILL")."""
+    if returncode is not None and returncode < 0:
+        try:
+            return "was killed by %s" % signal.Signals(-returncode).name
+        except ValueError:
+            return "was killed by signal %d" % -returncode
+    return "exited with code %s" % returncode
 
 
 def stop(process):
