@@ -226,13 +226,29 @@ def test_a_job_that_does_not_catch_it_exits_and_resumes_from_the_last_good_save(
 
 # --- the matrix: every caller of 0.8 - 0.16 and nvidia-resiliency-ext's -------------------------------
 
+# To keep CI within its time: a segfaulting writer is a writer ended by a signal, as a SIGKILLed
+# one is, to the same watch (0.12.1 runs both, on both callers); and 0.14.0's writer module is
+# 0.16.1's, byte for byte (test_the_writer_code_of_0_14_is_0_16s), so 0.14.0 runs the faults of
+# its callers' own code and one writer fault, 0.16.1 every fault.
+OTHER_RELEASES_BUT = [(c, "writer-segfault") for c in FAULTS]
+WRITER_SHARED_WITH_0_16 = [("temporal", "writer-sigkill"), ("temporal", "enospc"), ("persistent", "enospc")]
 MATRIX = [
     *cells("0.12.1", ["temporal", "persistent"], but=EVERYDAY),
-    *cells("0.8.0", ["distributed"]),
-    *cells("0.11.0", ["distributed"]),
-    *cells("0.14.0", ["temporal", "persistent"]),
-    *cells("0.16.1", ["temporal", "persistent"]),
+    *cells("0.8.0", ["distributed"], but=OTHER_RELEASES_BUT),
+    *cells("0.11.0", ["distributed"], but=OTHER_RELEASES_BUT),
+    *cells("0.14.0", ["temporal", "persistent"], but=OTHER_RELEASES_BUT + WRITER_SHARED_WITH_0_16),
+    *cells("0.16.1", ["temporal", "persistent"], but=OTHER_RELEASES_BUT),
 ]
+
+
+def test_the_writer_code_of_0_14_is_0_16s():
+    """Why 0.14.0 runs fewer writer faults: its filesystem_async.py is 0.16.1's."""
+    path = os.path.join("megatron", "core", "dist_checkpointing", "strategies", "filesystem_async.py")
+    texts = []
+    for version in ("0.14.0", "0.16.1"):
+        with open(os.path.join(mcore_folder(version), path), "rb") as f:
+            texts.append(f.read())
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.matrix
@@ -250,6 +266,7 @@ def test_a_fault_fails_the_save_on_every_rank_for_every_caller(torch_python, ver
         pytest.param(c, f, marks=pytest.mark.compat(NVRX, RAISES), id="%s-%s" % (c, f))
         for c in ("temporal", "persistent")
         for f in FAULTS[c]
+        if (c, f) not in OTHER_RELEASES_BUT
     ],
 )
 def test_a_fault_fails_the_save_on_every_rank_through_nvidia_resiliency_ext(torch_python, caller, fault):
@@ -265,11 +282,7 @@ def test_a_fault_fails_the_save_on_every_rank_through_nvidia_resiliency_ext(torc
     "version,caller,nvrx",
     [
         pytest.param("0.8.0", "distributed", None, marks=pytest.mark.compat("0.8.0", STALLS), id="0.8.0-distributed"),
-        pytest.param(
-            "0.11.0", "distributed", None, marks=pytest.mark.compat("0.11.0", STALLS), id="0.11.0-distributed"
-        ),
         pytest.param("0.14.0", "temporal", None, marks=pytest.mark.compat("0.14.0", STALLS), id="0.14.0-temporal"),
-        pytest.param("0.14.0", "persistent", None, marks=pytest.mark.compat("0.14.0", STALLS), id="0.14.0-persistent"),
         pytest.param("0.16.1", "persistent", None, marks=pytest.mark.compat("0.16.1", STALLS), id="0.16.1-persistent"),
         pytest.param("0.12.1", "persistent", "0.4.1", marks=pytest.mark.compat(NVRX, STALLS), id="nvrx-persistent"),
     ],
