@@ -101,10 +101,11 @@ def test_the_newest_releases_save_and_resume(newest_python, mcore, nvrx, strateg
 @pytest.mark.parametrize("fault", ["enospc", "worker-kill", "preload-raises", "writer-sigkill"])
 @pytest.mark.parametrize("mcore,nvrx", [("0.17.1", "0.6.0"), ("0.19.0", "0.7.0-main")])
 def test_a_fault_fails_the_newest_releases_save_on_every_rank(newest_python, mcore, nvrx, fault):
-    """Writers are threads in the worker there: a killed writer is a killed worker."""
+    """Writers are threads in the worker there: a killed writer is a killed worker. The persistent
+    worker, as Megatron-LM 0.16+ requires for async saves (and nvidia-resiliency-ext's default)."""
     path = tree_path(mcore, nvrx)
     root = run_dir_folder("newest-fault-%s-" % mcore)
-    args = ["--scenario", "faults", "--fault", fault, *SLOW_SAVE_2, *MODEL, *fault_bounds(stall=False)]
+    args = ["--scenario", "faults", "--fault", fault, "--persistent", *SLOW_SAVE_2, *MODEL, *fault_bounds(stall=False)]
     result = run_training_job(newest_python("2.15.0-numpy2"), mcore, "save", root, *args, path=path, timeout=600)
     result["root"] = root
     assert_every_rank_raised_with_the_reason(result, "worker-kill" if fault == "writer-sigkill" else fault)
