@@ -148,30 +148,11 @@ def test_the_getter_with_parameters_of_0_17_is_served_and_passes_them_on():
         module._results_queue._manager.shutdown()
 
 
-FAKE_DECORATED_GETTER = """
-import contextlib
-import gc
-import multiprocessing as mp
-_results_queue = None
-
-@contextlib.contextmanager
-def _disable_gc():
-    yield
-
-@_disable_gc()
-def get_write_results_queue(mp_mode='spawn'):
-    global _results_queue
-    if _results_queue is None:
-        _results_queue = mp.get_context("fork").Manager().Queue()
-    return _results_queue
-
-class FileSystemWriterAsync:
-    def prepare_write_data(self, plan=None, planner=None):
-        self.results_queue = get_write_results_queue()
-
-    def retrieve_write_results(self):
-        return self.results_queue.get_nowait()
-"""
+# The same module with its getter behind a contextmanager used as a decorator (FAKE, as above).
+FAKE_DECORATED_GETTER = (
+    "import contextlib\n\n@contextlib.contextmanager\ndef _disable_gc():\n    yield\n"
+    + FAKE_SHARED_QUEUE % {"getter": "get_write_results_queue", "params": "mp_mode='spawn'"}
+).replace("\ndef get_write_results_queue", "\n@_disable_gc()\ndef get_write_results_queue")
 
 
 def test_a_getter_wrapped_in_a_decorator_is_read_through_it():
