@@ -1118,7 +1118,7 @@ def job(args):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import slow_file_system
 
-            slow_file_system.install(args.slow_write)
+            slow_file_system.install(args.slow_write, args.root)
         if args.fault in ("writer-sigkill", "writer-segfault", "enospc") and os.environ.get("RANK") == str(
             args.fault_rank
         ):
