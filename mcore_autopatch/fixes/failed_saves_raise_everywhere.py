@@ -42,7 +42,7 @@ import traceback
 from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from mcore_autopatch.shared import checkpoint_errors, code_reading, methods, process_watch, standin, versions
+from mcore_autopatch.shared import code_reading, methods, process_watch, standin, versions
 from mcore_autopatch.shared.log import logger
 from mcore_autopatch.shared.values import Decision
 
@@ -354,6 +354,8 @@ def raise_everywhere(check: DoneCheck) -> None:
 
 def save_failed(caller: Any, failures: Dict[int, str]) -> BaseException:
     """torch's CheckpointException naming every failed rank and why, marked with the caller."""
+    from mcore_autopatch.shared import checkpoint_errors  # only a failed save pays for it
+
     error = checkpoint_errors.checkpoint_exception(
         {rank: RuntimeError("rank %d: %s (%s)" % (rank, text, NOTE)) for rank, text in failures.items()}
     )

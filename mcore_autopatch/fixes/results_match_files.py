@@ -28,7 +28,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Iterator, List
 
-from mcore_autopatch.shared import checkpoint_errors, methods, storage_layout
+from mcore_autopatch.shared import methods
 from mcore_autopatch.shared.log import logger
 from mcore_autopatch.shared.values import Decision
 
@@ -92,6 +92,8 @@ def checkpoint_folder(writer: Any) -> "str | None":
 
 def mismatch_in(folder: str, results: Any) -> "str | None":
     """Why one rank's ``results`` (WriteResults) cannot be this save's files in ``folder``, or None."""
+    from mcore_autopatch.shared import storage_layout  # at a save's finalize, not at the watched import
+
     mismatches, unseen = storage_layout.compare_with_files(folder, storage_layout.ends_by_file(_storage_infos(results)))
     if unseen:
         logger.debug("%d of the save's files are not visible here; not checked: %s", len(unseen), unseen[:5])
@@ -136,6 +138,8 @@ def retrieve_checking_files(original: Callable[..., Any], writer_module: str) ->
         if problem is None:
             return results
         logger.warning("%s", problem)
+        from mcore_autopatch.shared import checkpoint_errors  # only a failed check pays for it
+
         return checkpoint_errors.wrapped(exception_type(writer_module)(problem))
 
     return methods.marked(retrieve_write_results, original, "%s.retrieve_write_results" % WRITER_CLASS)
