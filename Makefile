@@ -19,7 +19,7 @@ test-env:
 
 test: test-env
 	@$(TOOLS) -m ruff check .
-	@MCORE_AUTOPATCH_TEST_TIER=everyday $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider -m "not matrix"
+	@MCORE_AUTOPATCH_TEST_TIER=everyday $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider --durations=25 -m "not matrix"
 
 # The full matrix (CI second): the real CUDA torch releases, numpy 1.26, CPython 3.12, the
 # seed stack with Ray, the other CPythons, the release sweeps. About 29 GB of environments.
@@ -27,7 +27,7 @@ test-matrix-env:
 	@$(PYTHON) tools/envs.py
 
 test-matrix: test-matrix-env
-	@MCORE_AUTOPATCH_TEST_TIER=matrix $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider -m matrix
+	@MCORE_AUTOPATCH_TEST_TIER=matrix $(TOOLS) -m pytest -n 3 --dist worksteal --timeout 900 -p no:cacheprovider --durations=25 -m matrix
 
 # Megatron-LM's own dist_checkpointing tests (a checkout of core_v0.12.1 you give it:
 # MEGATRON_LM=/path/to/Megatron-LM) on 8 CPU ranks, torch 2.15.0, numpy 2, with the wheel;
