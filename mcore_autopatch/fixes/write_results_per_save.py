@@ -60,15 +60,19 @@ class Evaluation:
         self.shared = shared
 
 
-def globals_stored(function: Any) -> "set[str]":
-    """The module globals ``function`` (or code nested in it) assigns (``global X; X = ...``),
-    through what decorates it (0.17+ and nvidia-resiliency-ext 0.6+ wrap the getter in
-    ``@_disable_gc()``, whose wrapper's own code stores nothing)."""
+def queue_globals_stored(function: Any) -> "set[str]":
+    """The module globals named like a queue that ``function`` (or code nested in it) assigns
+    (``global X; X = ...``), through what decorates it (0.17+ and nvidia-resiliency-ext 0.6+
+    wrap the getter in ``@_disable_gc()``, whose wrapper's own code stores nothing). Only code
+    that names a queue is read instruction by instruction (``prepare_write_data`` calls several
+    helpers that do not)."""
     return {
         name
         for code in code_reading.codes_of(function)
         for c in code_reading.nested(code)
+        if any("queue" in n.lower() for n in c.co_names)
         for name in code_reading.stored_names(c, "STORE_GLOBAL")
+        if "queue" in name.lower()
     }
 
 
@@ -85,7 +89,7 @@ def shared_queues(module: ModuleType) -> Tuple[SharedQueue, ...]:
         if getattr(value, "__module__", None) != module.__name__ or not callable(value):
             continue
         original = getattr(value, "__wrapped__", value) if getattr(value, MARK, False) else value
-        stored = sorted(n for n in globals_stored(original) if "queue" in n.lower())
+        stored = sorted(queue_globals_stored(original))
         if stored:
             found.append(SharedQueue(name, original, stored[0]))
     return tuple(found)
