@@ -115,7 +115,14 @@ def assert_reported_success_and_cannot_be_loaded(result: Dict[str, Any], broken:
 @pytest.mark.parametrize("caller", ["temporal", "persistent"])
 def test_async_saves_each_load_back_their_own_state_with_the_wheel(torch_python, version, caller):
     extra = ["--persistent"] if caller == "persistent" else []
-    assert_each_loads_its_own(scenario(torch_python(EVERYDAY), version, *extra))
+    python = torch_python(EVERYDAY)
+    result = scenario(python, version, *extra)
+    assert_each_loads_its_own(result)
+    # inspect passes what the fixed job saved (test_inspect_names_a_checkpoint_... names the damaged)
+    env = clean_env(PYTHONPATH=mcore_folder(version))
+    fine = run_python(python, ["-m", "mcore_autopatch", "inspect", os.path.join(result["root"], "iter_0000001")], env)
+    assert fine.returncode == 0, fine.stdout + fine.stderr
+    assert "each ends where its last item ends" in fine.stdout
 
 
 @pytest.mark.parametrize("version", compat_params(["0.12.1"], OWN_OFF))
@@ -160,7 +167,7 @@ def test_after_an_abort_shut_the_results_manager_down_the_next_save_gets_a_new_o
 def test_inspect_names_a_checkpoint_finalized_with_another_saves_results(torch_python, python_without_wheel):
     """Made for real without the package (megatron-core 0.13.1, which needs nothing else on
     torch 2.13.0 and numpy 1.26), then inspected with it: the damaged iteration is named, with
-    the way out, and exit 1; an iteration the fixed job saved passes, exit 0."""
+    the way out, and exit 1 (what the fixed job saved passes: the test above)."""
     off = scenario(python_without_wheel(CPU_TORCH), "0.13.1")
     assert_reported_success_and_cannot_be_loaded(off, BROKEN_WITHOUT["temporal"])
     python = torch_python(CPU_TORCH)
@@ -172,11 +179,6 @@ def test_inspect_names_a_checkpoint_finalized_with_another_saves_results(torch_p
     assert "finalized with another save's write results" in line and line.endswith("resume from another iteration")
     report = run_python(python, ["-m", "mcore_autopatch", "inspect", "--json", off["root"] + "/iter_0000001"], env)
     assert json.loads(report.stdout)["storage"]["mismatched"], report.stdout
-    good = scenario(torch_python(CPU_TORCH), "0.13.1")
-    assert_each_loads_its_own(good)
-    fine = run_python(python, ["-m", "mcore_autopatch", "inspect", os.path.join(good["root"], "iter_0000001")], env)
-    assert fine.returncode == 0, fine.stdout + fine.stderr
-    assert "each ends where its last item ends" in fine.stdout
 
 
 # --- the matrix: every release from 0.8.0, on torch 2.9.0 and the newest ----------------------------------
