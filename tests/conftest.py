@@ -249,8 +249,11 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
             sys.stderr.write("\nERROR: a test installed mcore-autopatch into cached venvs: %s\n" % polluted)
             session.exitstatus = 1
     option = session.config.option
-    if _is_worker(session.config) or not _compat or option.keyword or TIER_ENV not in os.environ:
-        return  # only a tier's whole run (``make test``, ``make test-matrix``) rewrites its results
+    # Only a tier's whole run (``make test``, ``make test-matrix``: no -k, no files or test ids
+    # named) rewrites its results.
+    named = getattr(session.config, "args_source", None) == pytest.Config.ArgsSource.ARGS
+    if _is_worker(session.config) or not _compat or option.keyword or named or TIER_ENV not in os.environ:
+        return
     if TORCH_SELECTION_ENV in os.environ:
         return
     summary = {
