@@ -236,16 +236,6 @@ MATRIX = [
 ]
 
 
-def test_the_writer_code_of_0_14_is_0_16s():
-    """0.14.0 and 0.16.1 differ in their async callers only: the same writer module."""
-    path = os.path.join("megatron", "core", "dist_checkpointing", "strategies", "filesystem_async.py")
-    texts = []
-    for version in ("0.14.0", "0.16.1"):
-        with open(os.path.join(mcore_folder(version), path), "rb") as f:
-            texts.append(f.read())
-    assert texts[0] == texts[1]
-
-
 @pytest.mark.matrix
 @pytest.mark.parametrize("version,caller,fault", MATRIX)
 def test_a_fault_fails_the_save_on_every_rank_for_every_caller(torch_python, version, caller, fault):

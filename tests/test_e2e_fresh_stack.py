@@ -357,8 +357,8 @@ def test_skipping_a_fix_leaves_it_out_and_check_says_so(torch_python):
 # removed names, weights_only for 0.6 - 0.10 and 0.14+, pkg_resources for 0.7 / 0.8, the
 # ShardedObject planned twice for 0.6 - 0.8, none of numpy's from 0.16); the releases between
 # them save and resume on numpy 2 with two ranks in the matrix (torch 2.15.0).
-ONE_RANK_ROWS = {v: ROW_ARGS[v] for v in ["0.6.0", "0.7.0", "0.8.0", "0.10.0", "0.11.0", "0.12.1", "0.13.1"]}
-ONE_RANK_ROWS.update({v: ROW_ARGS[v] for v in ["0.14.0", "0.16.1"]})
+ONE_RANK_RELEASES = ["0.6.0", "0.7.0", "0.8.0", "0.10.0", "0.11.0", "0.12.1", "0.13.1", "0.14.0", "0.16.1"]
+ONE_RANK_ROWS = {v: ROW_ARGS[v] for v in ONE_RANK_RELEASES}
 NUMPY2_ROW = "save and resume on numpy 2, setuptools 82+ (one rank)"
 
 
